@@ -1,0 +1,79 @@
+"""Registry of training environments by domain name.
+
+Adding an environment is one module that decorates its class with `@register_environment` and one
+line in `_BUILTIN_MODULES` below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, TypeVar
+
+from node.envs.base import Environment
+
+_BUILTIN_MODULES: tuple[str, ...] = ("node.envs.math",)
+
+_REGISTRY: dict[str, type[Environment]] = {}
+_builtins_loaded = False
+
+EnvironmentClass = TypeVar("EnvironmentClass", bound=type[Environment])
+
+
+class DuplicateEnvironmentError(ValueError):
+    """Raised when a second environment registers under a name that is already taken."""
+
+
+class UnknownEnvironmentError(KeyError):
+    """Raised when no environment is registered under the requested name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def register_environment(environment_class: EnvironmentClass) -> EnvironmentClass:
+    """Class decorator: register an Environment subclass under its `name` attribute."""
+    name = getattr(environment_class, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{environment_class.__qualname__} needs a non-empty string `name`")
+    existing = _REGISTRY.get(name)
+    if existing is not None and existing is not environment_class:
+        raise DuplicateEnvironmentError(
+            f"environment name {name!r} is already registered by "
+            f"{existing.__module__}.{existing.__qualname__}; choose another name"
+        )
+    _REGISTRY[name] = environment_class
+    return environment_class
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        for module_name in _BUILTIN_MODULES:
+            importlib.import_module(module_name)
+        _builtins_loaded = True
+
+
+def list_environments() -> list[str]:
+    """Names of all registered environments, sorted."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def get_environment(name: str, **kwargs: Any) -> Environment:
+    """Instantiate the environment registered as `name` with `kwargs`."""
+    _load_builtins()
+    environment_class = _REGISTRY.get(name)
+    if environment_class is None:
+        known = ", ".join(sorted(_REGISTRY)) or "none"
+        raise UnknownEnvironmentError(f"no environment named {name!r}; registered: {known}")
+    return environment_class(**kwargs)
+
+
+__all__ = [
+    "DuplicateEnvironmentError",
+    "Environment",
+    "UnknownEnvironmentError",
+    "get_environment",
+    "list_environments",
+    "register_environment",
+]

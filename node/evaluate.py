@@ -1,0 +1,73 @@
+"""Score a checkpoint on one domain's held-out tasks; the node and the coordinator both use this."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from node.envs import get_environment
+from node.model import load_policy
+from node.rollout import DEFAULT_MAX_NEW_TOKENS, play_episodes, summarize_episodes
+
+Policy = tuple[PreTrainedModel, PreTrainedTokenizerBase]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Held-out score of one checkpoint on one domain."""
+
+    domain: str
+    mean_reward: float
+    success_rate: float
+    n: int
+    greedy: bool
+    tool_calls_mean: float
+    tool_errors_mean: float
+    answered_rate: float
+
+    def to_dict(self) -> dict[str, float | int | str | bool]:
+        return asdict(self)
+
+
+def evaluate_checkpoint(
+    path_or_model_and_tokenizer: Path | str | Policy,
+    domain: str,
+    n_tasks: int = 64,
+    seed: int = 0,
+    greedy: bool = True,
+    *,
+    temperature: float = 1.0,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+) -> EvalResult:
+    """Play one episode on each of `n_tasks` held-out tasks of `domain` (greedy by default, or
+    sampled at `temperature` with `seed`) and report mean reward and success rate."""
+    if n_tasks < 1:
+        raise ValueError("n_tasks must be at least 1")
+    if isinstance(path_or_model_and_tokenizer, str | Path):
+        model, tokenizer = load_policy(Path(path_or_model_and_tokenizer))
+    else:
+        model, tokenizer = path_or_model_and_tokenizer
+    environment = get_environment(domain)
+    episodes = play_episodes(
+        model,
+        tokenizer,
+        environment,
+        environment.tasks("heldout", n_tasks, seed=seed),
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        greedy=greedy,
+        seed=seed,
+    )
+    summary = summarize_episodes(episodes)
+    return EvalResult(
+        domain=domain,
+        mean_reward=summary["reward_mean"],
+        success_rate=summary["success_rate"],
+        n=len(episodes),
+        greedy=greedy,
+        tool_calls_mean=summary["tool_calls_mean"],
+        tool_errors_mean=summary["tool_errors_mean"],
+        answered_rate=summary["answered_rate"],
+    )

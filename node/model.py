@@ -1,0 +1,288 @@
+"""The embedded default policy: a locally built byte-level tokenizer with a Qwen2.5/Hermes-style
+chat template, a tiny Qwen2 model, and the base checkpoint they form after a short supervised warm
+start on environment demonstrations. Also loads any Hugging Face causal-LM folder as a policy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, pre_tokenizers
+from tokenizers.models import BPE
+from tokenizers.trainers import BpeTrainer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+from node.envs import get_environment
+from node.envs.base import Environment
+
+PAD_TOKEN = "<|endoftext|>"
+TURN_START_TOKEN = "<|im_start|>"
+TURN_END_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, TURN_START_TOKEN, TURN_END_TOKEN)
+TOOL_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+DEFAULT_VOCAB_SIZE = 1024
+DEFAULT_MAX_POSITIONS = 2048
+
+# Demonstrations the tokenizer is trained on, per domain.
+TOKENIZER_CORPUS_TASKS = 2000
+DEFAULT_WARM_START_STEPS = 300
+DEFAULT_WARM_START_BATCH_SIZE = 16
+DEFAULT_WARM_START_LR = 3e-3
+
+TOOLS_HEADER = (
+    "# Tools\n\nYou may call functions to help with the task. "
+    "Their JSON schemas are inside <tools></tools>:\n<tools>"
+)
+TOOLS_FOOTER = (
+    "\n</tools>\n\nTo call a function, write its name and arguments as a JSON object inside "
+    '<tool_call></tool_call> tags:\n<tool_call>{"name": <function-name>, "arguments": '
+    "<args-json-object>}</tool_call>"
+)
+
+# Qwen2.5/Hermes layout: tool schemas in the system turn, tool calls as JSON inside <tool_call>,
+# tool results wrapped in <tool_response> inside a user turn.
+CHAT_TEMPLATE = (
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{%- set system_text = messages[0].content %}{%- set turns = messages[1:] %}"
+    "{%- else %}{%- set system_text = '' %}{%- set turns = messages %}{%- endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if system_text %}{{- system_text + '\\n\\n' }}{%- endif %}"
+    "{{- " + json.dumps(TOOLS_HEADER) + " }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- " + json.dumps(TOOLS_FOOTER) + " + '<|im_end|>\\n' }}"
+    "{%- elif system_text %}"
+    "{{- '<|im_start|>system\\n' + system_text + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in turns %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.first or turns[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>' + message.content + '</tool_response>' }}"
+    "{%- if loop.last or turns[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for call in (message.tool_calls or []) %}"
+    "{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>{\"name\": ' + (call.name | tojson) + ', \"arguments\": ' }}"
+    "{%- if call.arguments is string %}{{- call.arguments }}"
+    "{%- else %}{{- call.arguments | tojson }}{%- endif %}"
+    "{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Literal pieces of the template, added to every tokenizer corpus.
+TEMPLATE_FIXED_STRINGS: tuple[str, ...] = (
+    "<|im_start|>system\n",
+    "<|im_start|>user\n",
+    "<|im_start|>assistant\n",
+    "<|im_end|>\n",
+    TOOLS_HEADER,
+    TOOLS_FOOTER,
+    '<tool_call>{"name": "',
+    '", "arguments": {"',
+    "\n<tool_response>",
+    "</tool_response><|im_end|>\n",
+)
+
+_ADDED_TOKEN_PATTERN = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + TOOL_TOKENS))
+
+
+class CheckpointLoadError(RuntimeError):
+    """Raised when a folder is not a loadable Hugging Face causal-LM checkpoint."""
+
+
+def set_torch_threads(num_threads: int) -> None:
+    """Set torch's intra-op threads for this process (one per process is the safe default on
+    shared CPUs: more threads than free cores slows generation by an order of magnitude)."""
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+    torch.set_num_threads(num_threads)
+
+
+def _strip_added_tokens(corpus: Iterable[str]) -> Iterable[str]:
+    """Corpus pieces between special and tool tokens: those tokens are never merged by BPE."""
+    for text in corpus:
+        for piece in _ADDED_TOKEN_PATTERN.split(text):
+            if piece:
+                yield piece
+
+
+def build_tokenizer(
+    corpus: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on `corpus` (deterministic; any text encodes) and wrap it
+    as a Qwen2 tokenizer: Qwen2's normalizer and pre-tokenizer (every digit its own token), the
+    chat special tokens, the tool-call tokens and the chat template. Stock `AutoTokenizer` loads
+    a saved copy as the same Qwen2 tokenizer, so it tokenizes identically."""
+    qwen2_layout = Qwen2Tokenizer()._tokenizer
+    backend = Tokenizer(BPE())
+    backend.normalizer = qwen2_layout.normalizer
+    backend.pre_tokenizer = qwen2_layout.pre_tokenizer
+    trainer = BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(_strip_added_tokens(corpus), trainer)
+    trained = json.loads(backend.to_str())["model"]
+    tokenizer = Qwen2Tokenizer(
+        vocab=trained["vocab"],
+        merges=[tuple(merge) for merge in trained["merges"]],
+        unk_token=None,
+        eos_token=TURN_END_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=DEFAULT_MAX_POSITIONS,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.add_tokens(
+        [AddedToken(TURN_START_TOKEN, special=True, normalized=False)], special_tokens=True
+    )
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    return tokenizer
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int = 0,
+    hidden: int = 128,
+    layers: int = 4,
+    heads: int = 4,
+    intermediate: int = 512,
+) -> Qwen2ForCausalLM:
+    """A freshly initialised float32 Qwen2 with tied embeddings sized to `tokenizer`."""
+    if hidden % heads:
+        raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=DEFAULT_MAX_POSITIONS,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model.to(torch.float32)
+
+
+def render_demonstrations(
+    tokenizer: PreTrainedTokenizerBase, environments: Sequence[Environment], n_per_env: int, seed: int
+) -> list[str]:
+    """Solver demonstrations on training tasks, rendered through `tokenizer`'s chat template."""
+    texts: list[str] = []
+    for environment in environments:
+        schemas = environment.tool_schemas()
+        for task in environment.tasks("train", n_per_env, seed=seed):
+            texts.append(
+                tokenizer.apply_chat_template(
+                    environment.solve(task), tools=schemas, tokenize=False
+                )
+            )
+    return texts
+
+
+def create_base_checkpoint(
+    out_dir: Path,
+    seed: int = 0,
+    warm_start_steps: int = DEFAULT_WARM_START_STEPS,
+    domains: Sequence[str] = ("math",),
+    *,
+    warm_start_batch_size: int = DEFAULT_WARM_START_BATCH_SIZE,
+    warm_start_lr: float = DEFAULT_WARM_START_LR,
+    num_threads: int | None = 1,
+) -> Path:
+    """Build the tokenizer and tiny model, warm-start them on the domains' solver demonstrations
+    and save a Hugging Face folder at `out_dir`. The same seed gives the same checkpoint."""
+    from node.train import supervised_warm_start
+
+    if num_threads is not None:
+        set_torch_threads(num_threads)
+    environments = [get_environment(domain) for domain in domains]
+    template_only = build_tokenizer(TEMPLATE_FIXED_STRINGS)
+    corpus = list(TEMPLATE_FIXED_STRINGS)
+    corpus += render_demonstrations(template_only, environments, TOKENIZER_CORPUS_TASKS, seed)
+    tokenizer = build_tokenizer(corpus)
+    model = build_tiny_model(tokenizer, seed=seed)
+    started = time.perf_counter()
+    losses = supervised_warm_start(
+        model,
+        tokenizer,
+        environments,
+        steps=warm_start_steps,
+        batch_size=warm_start_batch_size,
+        lr=warm_start_lr,
+        seed=seed,
+    )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    provenance = {
+        "seed": seed,
+        "domains": list(domains),
+        "warm_start_steps": warm_start_steps,
+        "warm_start_batch_size": warm_start_batch_size,
+        "warm_start_lr": warm_start_lr,
+        "warm_start_final_loss": losses[-1] if losses else None,
+        "warm_start_seconds": round(time.perf_counter() - started, 2),
+    }
+    (out_dir / "skillswarm_base.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    return out_dir
+
+
+def load_policy(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a Hugging Face folder, in float32, eval mode."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointLoadError(f"{path} has no config.json; expected a Hugging Face model folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as error:
+        raise CheckpointLoadError(f"cannot load a causal LM from {path}: {error}") from error
+    if tokenizer.chat_template is None:
+        raise CheckpointLoadError(f"the tokenizer in {path} has no chat template")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,755 @@
+"""The peer transport of skillswarm: a py-libp2p host (TCP + Noise + Yamux) with gossip and blobs.
+
+SwarmHost runs the host in its own thread under its own `trio.run` and offers a small thread-safe
+synchronous interface: signed gossip on one topic, and the `/skillswarm/blob/1.0.0` stream protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import struct
+import threading
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import msgpack
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetStream, ISubscriptionAPI
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12, GossipSub
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
+
+from protocol.blobstore import BlobNotFound, BlobStore, InvalidBlobId, validate_blob_id
+from protocol.identity import peer_id_of
+
+__all__ = [
+    "BLOB_PROTOCOL_ID",
+    "MAX_GOSSIP_PAYLOAD_BYTES",
+    "BlobFetchError",
+    "GossipMessage",
+    "GossipMessageTooLarge",
+    "HostNotRunning",
+    "HostStartError",
+    "PeerConnectError",
+    "PeerWaitTimeout",
+    "SwarmHost",
+    "SwarmHostError",
+]
+
+logger = logging.getLogger(__name__)
+
+BLOB_PROTOCOL_ID = TProtocol("/skillswarm/blob/1.0.0")
+
+# libp2p gossipsub drops any RPC frame over 1 MiB; the frame also carries the topic, origin,
+# sequence number, signature, public key and a signed peer record.
+GOSSIP_RPC_LIMIT_BYTES = 1 << 20
+GOSSIP_ENVELOPE_ALLOWANCE_BYTES = 16 << 10
+MAX_GOSSIP_PAYLOAD_BYTES = GOSSIP_RPC_LIMIT_BYTES - GOSSIP_ENVELOPE_ALLOWANCE_BYTES
+
+# Gossipsub tuned for a small swarm: a short heartbeat so the mesh forms within a second.
+GOSSIP_DEGREE = 6
+GOSSIP_DEGREE_LOW = 4
+GOSSIP_DEGREE_HIGH = 12
+GOSSIP_HEARTBEAT_INTERVAL_S = 1
+GOSSIP_HEARTBEAT_INITIAL_DELAY_S = 0.1
+GOSSIP_MAX_MESSAGES_PER_PEER_PER_SECOND = 100.0
+MESSAGE_QUEUE_CAPACITY = 10_000
+
+BLOB_CHUNK_BYTES = 1 << 20
+MAX_BLOB_REQUEST_BYTES = 1024
+MAX_BLOB_RESPONSE_HEADER_BYTES = 4096
+BLOB_REQUEST_READ_TIMEOUT_S = 30.0
+BLOB_WRITE_STALL_TIMEOUT_S = 60.0
+_FRAME_LENGTH = struct.Struct(">I")
+
+MESH_POLL_INTERVAL_S = 0.05
+GRACEFUL_STOP_TIMEOUT_S = 10.0
+FORCED_STOP_TIMEOUT_S = 5.0
+
+_T = TypeVar("_T")
+
+
+class SwarmHostError(Exception):
+    """Base class of peer transport errors."""
+
+
+class HostStartError(SwarmHostError):
+    """The libp2p host could not start listening."""
+
+
+class HostNotRunning(SwarmHostError):
+    """The host is not started, or was stopped while the call was in flight."""
+
+
+class PeerConnectError(SwarmHostError):
+    """A peer could not be dialled (bad address, refused, wrong identity or timeout)."""
+
+
+class PeerWaitTimeout(SwarmHostError, TimeoutError):
+    """Not enough gossip peers joined the topic mesh in time."""
+
+
+class GossipMessageTooLarge(SwarmHostError, ValueError):
+    """A gossip message over the size limit; large payloads belong in blobs."""
+
+
+class BlobFetchError(SwarmHostError):
+    """A blob download failed (refused, timed out, disconnected); the partial is kept."""
+
+
+class _BlobRequestRefused(Exception):
+    """A blob request the server answers with an error header."""
+
+
+@dataclass(frozen=True)
+class GossipMessage:
+    """A gossip message from another peer; `from_peer` is its signature-verified origin."""
+
+    from_peer: str
+    data: bytes
+
+
+class _GuardedPubsub(Pubsub):
+    """Pubsub that drops a malformed message from a peer instead of failing the whole service.
+
+    py-libp2p's signature check raises (rather than rejecting) on an undecodable public key, and an
+    error in a pubsub task stops the pubsub service.
+    """
+
+    async def push_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
+        if msg_forwarder == self.my_id:
+            await super().push_msg(msg_forwarder, msg)
+            return
+        try:
+            await super().push_msg(msg_forwarder, msg)
+        except Exception as error:
+            logger.warning("dropped a malformed gossip message from %s: %r", msg_forwarder, error)
+
+
+class SwarmHost:
+    """A libp2p peer: gossip on one topic plus the blob stream protocol, driven from any thread."""
+
+    def __init__(
+        self,
+        key_pair: KeyPair,
+        blob_store: BlobStore,
+        topic: str,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+        max_message_bytes: int = MAX_GOSSIP_PAYLOAD_BYTES,
+        max_blob_bytes: int = 8 << 30,
+        max_streams_per_peer: int = 4,
+    ) -> None:
+        if not 0 < max_message_bytes <= MAX_GOSSIP_PAYLOAD_BYTES:
+            raise ValueError(
+                f"max_message_bytes must be between 1 and {MAX_GOSSIP_PAYLOAD_BYTES} (gossip "
+                f"frames are limited to 1 MiB including the signed envelope), "
+                f"got {max_message_bytes}"
+            )
+        if max_blob_bytes <= 0 or max_streams_per_peer <= 0:
+            raise ValueError("max_blob_bytes and max_streams_per_peer must be positive")
+        if not topic:
+            raise ValueError("topic must be a non-empty string")
+        self.key_pair = key_pair
+        self.blob_store = blob_store
+        self.topic = topic
+        self.listen_host = listen_host
+        self.listen_port = listen_port
+        self.max_message_bytes = max_message_bytes
+        self.max_blob_bytes = max_blob_bytes
+        self.max_streams_per_peer = max_streams_per_peer
+        self.peer_id: str = peer_id_of(key_pair)
+        self.messages: queue.Queue[GossipMessage] = queue.Queue(MESSAGE_QUEUE_CAPACITY)
+
+        self._lifecycle_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._running = False
+        self._stopping = False
+        self._startup_error: BaseException | None = None
+        self._listen_addrs: list[str] = []
+
+        self._served_lock = threading.Lock()
+        self._served: set[str] = set()
+        self._bytes_served = 0
+
+        # Owned by the trio thread once it runs.
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        self._stop_requested: trio.Event | None = None
+        self._cancel_scope: trio.CancelScope | None = None
+        self._host: IHost | None = None
+        self._pubsub: Pubsub | None = None
+        self._gossipsub: GossipSub | None = None
+        self._active_streams: defaultdict[str, int] = defaultdict(int)
+        self._fetch_locks: dict[str, trio.Lock] = {}
+
+    # Lifecycle
+
+    def start(self, timeout: float = 30) -> None:
+        """Start the host thread; returns once the host listens and is subscribed to the topic."""
+        with self._lifecycle_lock:
+            if self._thread is not None:
+                raise SwarmHostError("a SwarmHost can be started only once")
+            if self.listen_port != 0:
+                _ensure_port_is_free(self.listen_host, self.listen_port)
+            self._thread = threading.Thread(
+                target=self._thread_main, name=f"swarmhost-{self.peer_id[-8:]}", daemon=True
+            )
+            self._thread.start()
+        if not self._ready.wait(timeout):
+            self.stop()
+            raise HostStartError(f"libp2p host did not start listening within {timeout} s")
+        if self._startup_error is not None:
+            self._thread.join(FORCED_STOP_TIMEOUT_S)
+            error = self._startup_error
+            raise HostStartError(
+                f"libp2p host failed to start on {self.listen_host}:{self.listen_port}: {error!r}"
+            ) from error
+
+    def stop(self) -> None:
+        """Stop the host: close streams and connections, and join its thread. Idempotent."""
+        with self._lifecycle_lock:
+            thread = self._thread
+            if thread is None or self._stopping:
+                return
+            self._stopping = True
+        self._ready.wait(GRACEFUL_STOP_TIMEOUT_S)
+        self._running = False
+        token, stop_requested = self._trio_token, self._stop_requested
+        if token is not None and stop_requested is not None:
+            _run_sync_in_trio(stop_requested.set, token)
+        thread.join(GRACEFUL_STOP_TIMEOUT_S)
+        if thread.is_alive() and token is not None and self._cancel_scope is not None:
+            logger.warning("swarm host %s did not stop gracefully; cancelling it", self.peer_id)
+            _run_sync_in_trio(self._cancel_scope.cancel, token)
+            thread.join(FORCED_STOP_TIMEOUT_S)
+        if thread.is_alive():
+            logger.error("swarm host thread %s is still running after stop()", thread.name)
+
+    def __enter__(self) -> SwarmHost:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        """True between a successful start() and stop()."""
+        return self._running
+
+    @property
+    def listen_addrs(self) -> list[str]:
+        """Full multiaddrs this host listens on, each ending in /p2p/<peer id>."""
+        return list(self._listen_addrs)
+
+    # Peers
+
+    def connect(self, multiaddr_text: str, timeout: float = 15) -> str:
+        """Dial a peer at a full multiaddr (…/p2p/<peer id>); returns the remote peer id."""
+        try:
+            peer_info = info_from_p2p_addr(multiaddr.Multiaddr(multiaddr_text))
+        except Exception as error:
+            raise PeerConnectError(
+                f"{multiaddr_text!r} is not a dialable multiaddr ending in /p2p/<peer id>: {error}"
+            ) from error
+        remote_peer_id = peer_info.peer_id.to_base58()
+        if remote_peer_id == self.peer_id:
+            raise PeerConnectError(f"{multiaddr_text} is this host's own address")
+
+        async def dial() -> None:
+            assert self._host is not None
+            try:
+                with trio.fail_after(timeout):
+                    await self._host.connect(peer_info)
+            except trio.TooSlowError:
+                raise PeerConnectError(
+                    f"connecting to {multiaddr_text} timed out after {timeout} s"
+                ) from None
+            except Exception as error:
+                raise PeerConnectError(f"could not connect to {multiaddr_text}: {error}") from error
+
+        self._call(dial)
+        return remote_peer_id
+
+    def connected_peers(self) -> list[str]:
+        """Peer ids of the peers this host holds a connection to."""
+
+        async def list_peers() -> list[str]:
+            assert self._host is not None
+            return sorted(peer.to_base58() for peer in self._host.get_connected_peers())
+
+        return self._call(list_peers)
+
+    def topic_mesh_peers(self) -> list[str]:
+        """Peer ids in this host's gossip mesh for the topic (the peers a publish reaches)."""
+
+        async def list_mesh() -> list[str]:
+            assert self._gossipsub is not None
+            return sorted(peer.to_base58() for peer in self._gossipsub.mesh.get(self.topic, ()))
+
+        return self._call(list_mesh)
+
+    def wait_for_peers_in_topic(self, n: int, timeout: float) -> int:
+        """Block until the topic mesh holds at least `n` peers; returns the mesh size.
+
+        Publish only after this: messages published before the mesh forms are lost. The mesh
+        holds at most GOSSIP_DEGREE_HIGH peers.
+        """
+        if n > GOSSIP_DEGREE_HIGH:
+            raise ValueError(f"the gossip mesh holds at most {GOSSIP_DEGREE_HIGH} peers, asked {n}")
+
+        async def wait_mesh() -> int:
+            assert self._gossipsub is not None
+            with trio.move_on_after(timeout):
+                while True:
+                    size = len(self._gossipsub.mesh.get(self.topic, ()))
+                    if size >= n:
+                        return size
+                    await trio.sleep(MESH_POLL_INTERVAL_S)
+            raise PeerWaitTimeout(
+                f"only {len(self._gossipsub.mesh.get(self.topic, ()))} of {n} peers joined the "
+                f"gossip mesh of topic {self.topic!r} within {timeout} s"
+            )
+
+        return self._call(wait_mesh)
+
+    # Gossip
+
+    def publish(self, data: bytes) -> None:
+        """Sign and publish `data` on the topic (at most max_message_bytes)."""
+        if len(data) > self.max_message_bytes:
+            raise GossipMessageTooLarge(
+                f"gossip message of {len(data)} bytes exceeds the limit of "
+                f"{self.max_message_bytes} bytes; put large payloads in blobs and announce them"
+            )
+        payload = bytes(data)
+
+        async def publish_payload() -> None:
+            assert self._pubsub is not None
+            await self._pubsub.publish(self.topic, payload)
+
+        self._call(publish_payload)
+
+    # Blobs
+
+    def serve_blob(self, sha256: str) -> None:
+        """Allow peers to fetch this blob (it must be in the blob store)."""
+        if not self.blob_store.has(sha256):
+            raise BlobNotFound(f"cannot serve blob {sha256}: it is not in {self.blob_store.root}")
+        with self._served_lock:
+            self._served.add(sha256)
+
+    def unserve_blob(self, sha256: str) -> None:
+        """Stop serving a blob to peers."""
+        validate_blob_id(sha256)
+        with self._served_lock:
+            self._served.discard(sha256)
+
+    def served_blobs(self) -> set[str]:
+        """Ids of the blobs peers may fetch from this host."""
+        with self._served_lock:
+            return set(self._served)
+
+    @property
+    def bytes_served(self) -> int:
+        """Total blob bytes this host has sent to peers."""
+        return self._bytes_served
+
+    def fetch_blob(self, peer_id: str, sha256: str, size: int, timeout: float = 300) -> Path:
+        """Download a blob from a peer into the blob store; returns its path.
+
+        Resumes from the partial download left by an earlier attempt and verifies the sha256.
+        Raises BlobFetchError (partial kept) or BlobCorrupted (partial deleted).
+        """
+        validate_blob_id(sha256)
+        if self.blob_store.has(sha256):
+            return self.blob_store.path(sha256)
+        if size < 0:
+            raise ValueError(f"blob size must be non-negative, got {size}")
+        if size > self.max_blob_bytes:
+            raise BlobFetchError(
+                f"blob {sha256} of {size} bytes exceeds the limit of {self.max_blob_bytes} bytes"
+            )
+        try:
+            remote = ID.from_base58(peer_id)
+        except Exception as error:
+            raise BlobFetchError(f"{peer_id!r} is not a base58 peer id") from error
+        return self._call(self._fetch_blob, remote, sha256, size, timeout)
+
+    # Trio side
+
+    def _thread_main(self) -> None:
+        try:
+            trio.run(self._run)
+        except BaseException as error:
+            if self._ready.is_set():
+                logger.exception("swarm host %s stopped with an error", self.peer_id)
+            else:
+                self._startup_error = error
+        finally:
+            self._running = False
+            self._ready.set()
+
+    async def _run(self) -> None:
+        self._stop_requested = trio.Event()
+        with trio.CancelScope() as cancel_scope:
+            self._cancel_scope = cancel_scope
+            self._trio_token = trio.lowlevel.current_trio_token()
+            ip_protocol = "ip6" if ":" in self.listen_host else "ip4"
+            listen_addr = multiaddr.Multiaddr(
+                f"/{ip_protocol}/{self.listen_host}/tcp/{self.listen_port}"
+            )
+            host = new_host(
+                key_pair=self.key_pair,
+                # Only Noise is offered: plaintext, TLS and SECIO are refused.
+                sec_opt={
+                    NOISE_PROTOCOL_ID: NoiseTransport(
+                        self.key_pair, noise_privkey=create_x25519_key_pair().private_key
+                    )
+                },
+                muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+                listen_addrs=[listen_addr],
+            )
+            gossipsub = GossipSub(
+                protocols=[PROTOCOL_ID_V12],
+                degree=GOSSIP_DEGREE,
+                degree_low=GOSSIP_DEGREE_LOW,
+                degree_high=GOSSIP_DEGREE_HIGH,
+                heartbeat_initial_delay=GOSSIP_HEARTBEAT_INITIAL_DELAY_S,
+                heartbeat_interval=GOSSIP_HEARTBEAT_INTERVAL_S,
+                max_messages_per_topic_per_second=GOSSIP_MAX_MESSAGES_PER_PEER_PER_SECOND,
+            )
+            # strict_signing: every message we publish is signed, and every received message must
+            # carry a valid signature by the key of its `from` peer id, or it is dropped.
+            pubsub = _GuardedPubsub(host, gossipsub, strict_signing=True)
+            host.set_stream_handler(BLOB_PROTOCOL_ID, self._serve_blob_stream)
+            self._host, self._pubsub, self._gossipsub = host, pubsub, gossipsub
+            try:
+                async with (
+                    host.run(listen_addrs=[listen_addr]),
+                    background_trio_service(pubsub),
+                    background_trio_service(gossipsub),
+                ):
+                    await pubsub.wait_until_ready()
+                    subscription = await pubsub.subscribe(self.topic)
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._deliver_gossip, subscription)
+                        self._listen_addrs = [str(addr) for addr in host.get_addrs()]
+                        self._running = True
+                        self._ready.set()
+                        logger.info(
+                            "swarm host %s listening on %s", self.peer_id, self.listen_addrs
+                        )
+                        await self._stop_requested.wait()
+                        nursery.cancel_scope.cancel()
+            finally:
+                # Pubsub's seen-message cache sweeps in a thread of its own that pubsub never stops.
+                pubsub.seen_messages.stop()
+        logger.info("swarm host %s stopped", self.peer_id)
+
+    def _call(self, async_fn: Callable[..., Awaitable[_T]], *args: Any) -> _T:
+        """Run `async_fn(*args)` in the host's trio thread and return its result."""
+        token = self._trio_token
+        if not self._running or token is None:
+            raise HostNotRunning(f"swarm host {self.peer_id} is not running; call start() first")
+        try:
+            return trio.from_thread.run(async_fn, *args, trio_token=token)
+        except (trio.RunFinishedError, trio.Cancelled):
+            raise HostNotRunning(f"swarm host {self.peer_id} stopped during the call") from None
+
+    async def _deliver_gossip(self, subscription: ISubscriptionAPI) -> None:
+        own_id = ID.from_base58(self.peer_id)
+        while True:
+            message = await subscription.get()
+            origin = ID(message.from_id)
+            if origin == own_id:
+                continue
+            if len(message.data) > self.max_message_bytes:
+                logger.warning(
+                    "dropped a gossip message of %d bytes from %s (limit %d bytes)",
+                    len(message.data),
+                    origin,
+                    self.max_message_bytes,
+                )
+                continue
+            try:
+                self.messages.put_nowait(GossipMessage(origin.to_base58(), bytes(message.data)))
+            except queue.Full:
+                logger.warning("gossip queue full; dropped a message from %s", origin)
+
+    async def _serve_blob_stream(self, stream: INetStream) -> None:
+        remote = stream.muxed_conn.peer_id.to_base58()
+        if self._active_streams[remote] >= self.max_streams_per_peer:
+            logger.warning("refused a blob stream from %s: too many concurrent streams", remote)
+            await _answer_and_close(stream, _error_header("busy: too many concurrent streams"))
+            return
+        self._active_streams[remote] += 1
+        try:
+            await self._answer_blob_request(stream, remote)
+        except _BlobRequestRefused as refusal:
+            logger.info("refused a blob request from %s: %s", remote, refusal)
+            await _answer_and_close(stream, _error_header(str(refusal)))
+        except Exception as error:
+            logger.info("blob stream from %s ended early: %r", remote, error)
+            await _reset_quietly(stream)
+        finally:
+            self._active_streams[remote] -= 1
+            if self._active_streams[remote] <= 0:
+                del self._active_streams[remote]
+
+    async def _answer_blob_request(self, stream: INetStream, remote: str) -> None:
+        request: dict[str, Any] | None = None
+        with trio.move_on_after(BLOB_REQUEST_READ_TIMEOUT_S):
+            request = await _read_frame(stream, MAX_BLOB_REQUEST_BYTES)
+        if request is None:
+            raise _BlobRequestRefused("no request received in time")
+        sha256, offset, length = _parse_blob_request(request)
+        with self._served_lock:
+            served = sha256 in self._served
+        if not served:
+            raise _BlobRequestRefused("not served")
+        path = self.blob_store.path(sha256)
+        try:
+            blob_file = open(path, "rb")
+        except FileNotFoundError:
+            raise _BlobRequestRefused("not available") from None
+        with blob_file:
+            size = _file_size(blob_file)
+            if offset > size:
+                raise _BlobRequestRefused(f"offset {offset} is beyond the blob size {size}")
+            length = min(length, size - offset)
+            header = {"ok": True, "size": size, "length": length, "error": None}
+            await stream.write(_frame(msgpack.packb(header)))
+            blob_file.seek(offset)
+            remaining = length
+            while remaining > 0:
+                chunk = await trio.to_thread.run_sync(
+                    blob_file.read, min(remaining, BLOB_CHUNK_BYTES)
+                )
+                if not chunk:
+                    raise OSError(f"blob {sha256} shrank while being served")
+                # A peer that stops reading must not hold its stream slot forever.
+                with trio.fail_after(BLOB_WRITE_STALL_TIMEOUT_S):
+                    await stream.write(chunk)
+                remaining -= len(chunk)
+                self._bytes_served += len(chunk)
+        logger.debug("served %d bytes of blob %s to %s", length, sha256, remote)
+        await stream.close()
+
+    async def _fetch_blob(self, remote: ID, sha256: str, size: int, timeout: float) -> Path:
+        lock = self._fetch_locks.setdefault(sha256, trio.Lock())
+        try:
+            async with lock:
+                if self.blob_store.has(sha256):
+                    return self.blob_store.path(sha256)
+                partial, have = self.blob_store.open_partial(sha256)
+                if have > size:
+                    logger.warning("partial of blob %s is longer than the blob; restarting", sha256)
+                    self.blob_store.discard_partial(sha256)
+                    partial, have = self.blob_store.open_partial(sha256)
+                if have < size:
+                    try:
+                        with trio.fail_after(timeout):
+                            await self._download_range(remote, sha256, size, partial, have)
+                    except trio.TooSlowError:
+                        raise BlobFetchError(
+                            f"fetching blob {sha256} from {remote} timed out after {timeout} s; "
+                            "the partial download is kept for resuming"
+                        ) from None
+                return await trio.to_thread.run_sync(self.blob_store.commit_partial, sha256)
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._fetch_locks.pop(sha256, None)
+
+    async def _download_range(
+        self, remote: ID, sha256: str, size: int, partial: Path, offset: int
+    ) -> None:
+        assert self._host is not None
+        wanted = size - offset
+        try:
+            stream = await self._host.new_stream(remote, [BLOB_PROTOCOL_ID])
+        except Exception as error:
+            raise BlobFetchError(f"could not open a blob stream to {remote}: {error}") from error
+        try:
+            request = {"sha256": sha256, "offset": offset, "length": wanted}
+            await stream.write(_frame(msgpack.packb(request)))
+            header = _parse_blob_header(await _read_frame(stream, MAX_BLOB_RESPONSE_HEADER_BYTES))
+            if not header["ok"]:
+                raise BlobFetchError(f"peer {remote} refused blob {sha256}: {header['error']}")
+            if header["size"] != size:
+                raise BlobFetchError(
+                    f"peer {remote} has blob {sha256} with {header['size']} bytes, expected {size}"
+                )
+            if header["length"] != wanted:
+                raise BlobFetchError(
+                    f"peer {remote} offered {header['length']} bytes of blob {sha256}, "
+                    f"asked for {wanted}"
+                )
+            await _receive_into(stream, partial, wanted)
+        except BlobFetchError:
+            await _reset_quietly(stream)
+            raise
+        except Exception as error:
+            await _reset_quietly(stream)
+            raise BlobFetchError(
+                f"transfer of blob {sha256} from {remote} failed: {error!r}; "
+                "the partial download is kept for resuming"
+            ) from error
+        except BaseException:  # cancelled (timeout or host stopping): tell the server at once
+            await _reset_quietly(stream)
+            raise
+        await _close_quietly(stream)
+
+
+# Wire format: a 4-byte big-endian length, then a msgpack map; blob bytes follow the response.
+
+
+def _frame(payload: bytes) -> bytes:
+    return _FRAME_LENGTH.pack(len(payload)) + payload
+
+
+async def _read_exactly(stream: INetStream, count: int) -> bytes:
+    data = bytearray()
+    while len(data) < count:
+        chunk = await stream.read(count - len(data))
+        if not chunk:
+            raise EOFError(f"stream ended after {len(data)} of {count} bytes")
+        data += chunk
+    return bytes(data)
+
+
+async def _read_frame(stream: INetStream, max_bytes: int) -> dict[str, Any]:
+    (length,) = _FRAME_LENGTH.unpack(await _read_exactly(stream, _FRAME_LENGTH.size))
+    if length > max_bytes:
+        raise _BlobRequestRefused(f"frame of {length} bytes exceeds the limit of {max_bytes}")
+    try:
+        decoded = msgpack.unpackb(await _read_exactly(stream, length), raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as error:
+        raise _BlobRequestRefused(f"frame is not valid msgpack: {error}") from error
+    if not isinstance(decoded, dict):
+        raise _BlobRequestRefused("frame is not a msgpack map")
+    return decoded
+
+
+def _parse_blob_request(request: dict[str, Any]) -> tuple[str, int, int]:
+    sha256, offset, length = request.get("sha256"), request.get("offset"), request.get("length")
+    try:
+        validate_blob_id(sha256)  # type: ignore[arg-type]
+    except InvalidBlobId as error:
+        raise _BlobRequestRefused(str(error)) from None
+    for name, value in (("offset", offset), ("length", length)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise _BlobRequestRefused(f"{name} must be a non-negative integer")
+    return sha256, offset, length  # type: ignore[return-value]
+
+
+def _parse_blob_header(header: dict[str, Any]) -> dict[str, Any]:
+    ok = header.get("ok")
+    if ok is True:
+        size, length = header.get("size"), header.get("length")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (size, length)):
+            raise BlobFetchError("blob response header lacks integer size and length")
+        return {"ok": True, "size": size, "length": length, "error": None}
+    error = header.get("error")
+    return {"ok": False, "size": None, "length": None, "error": str(error)[:500]}
+
+
+def _error_header(error: str) -> bytes:
+    return _frame(msgpack.packb({"ok": False, "size": None, "length": None, "error": error}))
+
+
+async def _receive_into(stream: INetStream, partial: Path, count: int) -> None:
+    """Append exactly `count` bytes from the stream to the partial file, ~1 MiB per write."""
+    remaining = count
+    buffer = bytearray()
+    with open(partial, "ab") as partial_file:
+        try:
+            while remaining > 0:
+                chunk = await stream.read(min(remaining, BLOB_CHUNK_BYTES - len(buffer)))
+                if not chunk:
+                    raise EOFError(f"stream ended with {remaining} bytes still to come")
+                buffer += chunk
+                remaining -= len(chunk)
+                if len(buffer) >= BLOB_CHUNK_BYTES:
+                    pending = bytes(buffer)
+                    buffer.clear()
+                    partial_file.write(pending)
+        finally:
+            # Whatever arrived is a correct prefix of the rest of the blob: keep it for resuming.
+            partial_file.write(buffer)
+
+
+def _file_size(blob_file: Any) -> int:
+    blob_file.seek(0, 2)
+    size = blob_file.tell()
+    blob_file.seek(0)
+    return int(size)
+
+
+async def _answer_and_close(stream: INetStream, frame: bytes) -> None:
+    try:
+        await stream.write(frame)
+        await stream.close()
+    except Exception as error:
+        logger.debug("could not answer a blob stream: %r", error)
+        await _reset_quietly(stream)
+
+
+async def _close_quietly(stream: INetStream) -> None:
+    try:
+        await stream.close()
+    except Exception as error:
+        logger.debug("closing a blob stream failed: %r", error)
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(1):
+        try:
+            await stream.reset()
+        except Exception as error:
+            logger.debug("resetting a blob stream failed: %r", error)
+
+
+def _ensure_port_is_free(host: str, port: int) -> None:
+    """Refuse a listen port already taken: libp2p listens with SO_REUSEPORT, so two hosts on one
+    port would both start and split the incoming connections between them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise HostStartError(
+                f"cannot listen on {host}:{port}: {error.strerror}; is another node using it?"
+            ) from error
+
+
+def _run_sync_in_trio(fn: Callable[[], object], token: trio.lowlevel.TrioToken) -> None:
+    try:
+        trio.from_thread.run_sync(fn, trio_token=token)
+    except trio.RunFinishedError:
+        pass

@@ -1,0 +1,61 @@
+"""The `skillswarm` command as a user runs it: a real subprocess, real config files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from node.config import NodeConfig
+from protocol.tomlconfig import ConfigFileError, load_toml_config, write_toml_config
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "skillswarm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_version_and_help():
+    import skillswarm
+
+    result = _cli("version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"skillswarm {skillswarm.__version__}"
+    helped = _cli("--help")
+    for command in ("demo", "node", "coordinator", "pull", "version"):
+        assert command in helped.stdout
+
+
+def test_bad_config_is_a_clear_error(tmp_path: Path):
+    bad = tmp_path / "node.toml"
+    bad.write_text('domain = "math"\n[train]\nsteps = -3\n')
+    result = _cli("node", "run", "--config", str(bad))
+    assert result.returncode == 1
+    assert "train.steps" in result.stderr
+    missing = _cli("coordinator", "serve", "--config", str(tmp_path / "nope.toml"))
+    assert missing.returncode == 1
+    assert "does not exist" in missing.stderr
+
+
+def test_config_round_trip_and_unknown_fields(tmp_path: Path):
+    node = NodeConfig(domain="math", rounds=3)
+    assert load_toml_config(write_toml_config(node, tmp_path / "n.toml"), NodeConfig) == node
+    coordinator = CoordinatorConfig(allowed_peers=["12D3KooWabc"])
+    path = write_toml_config(coordinator, tmp_path / "c.toml")
+    assert load_toml_config(path, CoordinatorConfig) == coordinator
+    (tmp_path / "typo.toml").write_text("min_delta = 2\n")
+    with pytest.raises(ConfigFileError, match="min_delta"):
+        load_toml_config(tmp_path / "typo.toml", CoordinatorConfig)
+    (tmp_path / "broken.toml").write_text("[merge\n")
+    with pytest.raises(ConfigFileError, match="not valid TOML"):
+        load_toml_config(tmp_path / "broken.toml", CoordinatorConfig)
+    (tmp_path / "method.toml").write_text('[merge]\nmethod = "nope"\n')
+    with pytest.raises(ConfigFileError, match="unknown merge method"):
+        load_toml_config(tmp_path / "method.toml", CoordinatorConfig)

@@ -1,0 +1,174 @@
+"""Delta intake over real libp2p hosts: forged or misattributed deltas are refused and recorded,
+nothing of them is fetched or merged; an honest delta is fetched, checked and accepted."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
+from coordinator.service import Coordinator, record_id
+from coordinator.store import DeltaRecord
+from merge.streaming import iter_base_tensors
+from protocol.blobstore import BlobStore
+from protocol.delta import compute_delta, pack_delta
+from protocol.host import SwarmHost
+from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
+from protocol.manifest import SignedManifest, sign_manifest
+from protocol.messages import DeltaAnnounced, encode_message
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path, tiny_base: Path):
+    config = CoordinatorConfig(
+        work_dir=tmp_path / "coord",
+        p2p_port=0,
+        base_checkpoint=tiny_base,
+        round=RoundPolicy(min_deltas=2),
+        eval=EvalConfig(n_tasks=2),
+    )
+    c = Coordinator(config)
+    c.start()
+    yield c
+    c.stop()
+
+
+def _peer(tmp_path: Path, name: str, topic: str):
+    key = load_or_create_identity(tmp_path / f"{name}.key")
+    store = BlobStore(tmp_path / f"{name}-blobs")
+    host = SwarmHost(key, store, topic=topic)
+    host.start()
+    return key, store, host
+
+
+def _delta_for(key, store: BlobStore, base_dir: Path, base_id: str, scale: float = 1e-3):
+    base = dict(iter_base_tensors(base_dir))
+    gen = torch.Generator().manual_seed(1)
+    tuned = {n: t + scale * torch.randn(t.shape, generator=gen) for n, t in base.items()}
+    return pack_delta(
+        compute_delta(base, tuned),
+        store,
+        peer_id=peer_id_of(key),
+        public_key=public_key_bytes(key),
+        domain="math",
+        base_id=base_id,
+        round=1,
+        steps=1,
+    )
+
+
+def _announce(host: SwarmHost, signed: SignedManifest) -> None:
+    host.publish(
+        encode_message(
+            DeltaAnnounced(manifest_bytes=signed.manifest_bytes, signature=signed.signature)
+        )
+    )
+
+
+def _wait_record(c: Coordinator, delta_id: str, timeout: float = 60) -> DeltaRecord:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with c.store.session() as s:
+            record = s.get(DeltaRecord, delta_id)
+            if record is not None:
+                return record
+        time.sleep(0.2)
+    raise AssertionError(f"coordinator never recorded delta {delta_id[:12]}")
+
+
+def test_forged_and_misattributed_deltas_refused_honest_one_accepted(tmp_path, coordinator):
+    c = coordinator
+    base = c.current_base()
+    base_dir = c.registry.checkpoint_dir(base)
+    alice_key, alice_store, alice = _peer(tmp_path, "alice", c.config.topic)
+    mallory_key, mallory_store, mallory = _peer(tmp_path, "mallory", c.config.topic)
+    try:
+        for host in (alice, mallory):
+            host.connect(c.host.listen_addrs[0])
+            host.wait_for_peers_in_topic(1, timeout=30)
+
+        # 1. Mallory relays Alice's validly signed delta as her own announcement.
+        alice_manifest = _delta_for(alice_key, alice_store, base_dir, base.id)
+        relayed = sign_manifest(alice_manifest, alice_key)
+        for sha in alice_manifest.blobs:
+            mallory_store.put_bytes(alice_store.path(sha).read_bytes())
+            mallory.serve_blob(sha)
+        _announce(mallory, relayed)
+        record = _wait_record(c, record_id(relayed, mallory.peer_id))
+        assert record.status == "rejected"
+        assert record.announced_by == mallory.peer_id
+        assert "announced by" in (record.reason or "")
+
+        # 2. Mallory signs with her key a manifest that claims to be Alice's.
+        claims_alice = _delta_for(alice_key, mallory_store, base_dir, base.id, 2e-3)
+        forged = SignedManifest(
+            manifest_bytes=claims_alice.encode(),
+            signature=sign_manifest(
+                _delta_for(mallory_key, mallory_store, base_dir, base.id), mallory_key
+            ).signature,
+        )
+        _announce(mallory, forged)
+        record = _wait_record(c, record_id(forged, mallory.peer_id))
+        assert record.status == "rejected"
+        assert "bad signature" in (record.reason or "")
+
+        # Nothing of the refused deltas was fetched, nothing recorded as accepted.
+        for sha in [*alice_manifest.blobs, *claims_alice.blobs]:
+            assert not c.blobs.has(sha)
+        with c.store.session() as s:
+            assert s.get(DeltaRecord, relayed.manifest_id) is None
+
+        # 3. Alice announces the same delta herself: fetched, sha256 checked, validated, accepted.
+        for sha in alice_manifest.blobs:
+            alice.serve_blob(sha)
+        _announce(alice, relayed)
+        record = _wait_record(c, relayed.manifest_id)
+        assert record.status == "accepted", record.reason
+        assert record.peer_id == peer_id_of(alice_key)
+        for sha in alice_manifest.blobs:
+            assert c.blobs.has(sha)
+        assert c.current_round().status == "open"  # one delta, the policy needs two
+        assert [i.round for i in c.registry.list()] == [0]  # nothing merged
+    finally:
+        alice.stop()
+        mallory.stop()
+
+
+def test_delta_against_wrong_base_or_with_nan_refused(tmp_path, coordinator):
+    c = coordinator
+    base = c.current_base()
+    base_dir = c.registry.checkpoint_dir(base)
+    key, store, peer = _peer(tmp_path, "bob", c.config.topic)
+    try:
+        peer.connect(c.host.listen_addrs[0])
+        peer.wait_for_peers_in_topic(1, timeout=30)
+        stale = sign_manifest(_delta_for(key, store, base_dir, "00" * 32), key)
+        _announce(peer, stale)
+        record = _wait_record(c, stale.manifest_id)
+        assert record.status == "rejected" and "not the current base" in record.reason
+
+        tensors = dict(iter_base_tensors(base_dir))
+        poisoned = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        first = next(iter(poisoned))
+        poisoned[first].view(-1)[0] = float("nan")
+        manifest = pack_delta(
+            poisoned,
+            store,
+            peer_id=peer_id_of(key),
+            public_key=public_key_bytes(key),
+            domain="math",
+            base_id=base.id,
+            round=1,
+            steps=1,
+        )
+        for sha in manifest.blobs:
+            peer.serve_blob(sha)
+        signed = sign_manifest(manifest, key)
+        _announce(peer, signed)
+        record = _wait_record(c, signed.manifest_id)
+        assert record.status == "rejected" and "NaN" in record.reason
+    finally:
+        peer.stop()

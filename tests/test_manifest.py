@@ -1,0 +1,139 @@
+"""Delta manifests and gossip messages: signatures bind the bytes, the key and the announcer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+
+from protocol.blobstore import BlobStore
+from protocol.delta import DeltaError, DeltaReader, compute_delta, pack_delta
+from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
+from protocol.manifest import DeltaManifest, ManifestError, SignedManifest, sign_manifest
+from protocol.messages import (
+    MAX_GOSSIP_BYTES,
+    CheckpointPublished,
+    DeltaAnnounced,
+    MessageError,
+    UnknownMessage,
+    decode_message,
+    encode_message,
+)
+
+BASE_ID = "ab" * 32
+
+
+@pytest.fixture
+def keys(tmp_path: Path):
+    return load_or_create_identity(tmp_path / "a.key"), load_or_create_identity(tmp_path / "b.key")
+
+
+def _delta(tmp_path: Path, key_pair, round: int = 1) -> tuple[DeltaManifest, BlobStore, dict]:
+    torch.manual_seed(0)
+    base = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    tuned = {"w": base["w"] + 0.5, "b": base["b"].clone()}
+    delta = compute_delta(base, tuned)
+    store = BlobStore(tmp_path / "blobs")
+    manifest = pack_delta(
+        delta,
+        store,
+        peer_id=peer_id_of(key_pair),
+        public_key=public_key_bytes(key_pair),
+        domain="math",
+        base_id=BASE_ID,
+        round=round,
+        steps=3,
+        metrics={"reward_mean": 0.25},
+    )
+    return manifest, store, delta
+
+
+def test_delta_roundtrip_and_signature(tmp_path, keys):
+    a, _ = keys
+    manifest, store, delta = _delta(tmp_path, a)
+    signed = sign_manifest(manifest, a)
+    verified = signed.verify(announcing_peer=peer_id_of(a))
+    assert verified == manifest
+    assert DeltaManifest.decode(manifest.encode()).encode() == manifest.encode()
+    reader = DeltaReader(verified, store)
+    for name, tensor in reader.items():
+        assert torch.equal(tensor, delta[name])
+    assert reader.manifest.tensors["w"].shape == (4, 3)
+
+
+def test_tampered_manifest_fails(tmp_path, keys):
+    a, _ = keys
+    manifest, _, _ = _delta(tmp_path, a)
+    signed = sign_manifest(manifest, a)
+    tampered = manifest.model_copy(update={"round": 7}).encode()
+    with pytest.raises(ManifestError, match="bad signature"):
+        SignedManifest(manifest_bytes=tampered, signature=signed.signature).verify()
+
+
+def test_manifest_signed_by_other_key_or_announced_by_other_peer_fails(tmp_path, keys):
+    a, b = keys
+    manifest, _, _ = _delta(tmp_path, a)
+    # b signs a manifest that names a as its peer: the key check refuses it.
+    forged = SignedManifest(manifest_bytes=manifest.encode(), signature=b"x" * 64)
+    with pytest.raises(ManifestError, match="bad signature"):
+        forged.verify()
+    with pytest.raises(ManifestError, match="does not match the signing key"):
+        sign_manifest(manifest, b)
+    claims_a_with_b_key = manifest.model_copy(update={"public_key": public_key_bytes(b)})
+    with pytest.raises(ManifestError, match="its key belongs to"):
+        SignedManifest(manifest_bytes=claims_a_with_b_key.encode(), signature=b"x").verify()
+    # A valid manifest of a, relayed by b as if it were b's announcement.
+    with pytest.raises(ManifestError, match="announced by"):
+        sign_manifest(manifest, a).verify(announcing_peer=peer_id_of(b))
+
+
+def test_manifest_bounds(tmp_path, keys):
+    a, _ = keys
+    manifest, _, _ = _delta(tmp_path, a)
+    with pytest.raises(ManifestError, match="limit"):
+        DeltaManifest.decode(b"\x00" * (600 * 1024))
+    with pytest.raises(ManifestError, match="malformed"):
+        DeltaManifest.decode(msgpack.packb({"schema": "skillswarm.delta/99"}))
+    entry = manifest.tensors["w"]
+    bad = manifest.model_copy(update={"tensors": {"w": entry.model_copy(update={"offset": 10**9})}})
+    with pytest.raises(ManifestError, match="outside blob"):
+        DeltaManifest.decode(bad.encode())
+
+
+def test_reader_refuses_mismatched_shape(tmp_path, keys):
+    a, _ = keys
+    manifest, store, _ = _delta(tmp_path, a)
+    entry = manifest.tensors["w"]
+    lying = manifest.model_copy(
+        update={"tensors": {**manifest.tensors, "w": entry.model_copy(update={"shape": (3, 4)})}}
+    )
+    with pytest.raises(DeltaError, match="manifest says"):
+        DeltaReader(lying, store).get("w")
+    with pytest.raises(DeltaError, match="different tensors"):
+        compute_delta({"x": torch.zeros(1)}, {"y": torch.zeros(1)})
+
+
+def test_gossip_messages(tmp_path, keys):
+    a, _ = keys
+    manifest, _, _ = _delta(tmp_path, a)
+    signed = sign_manifest(manifest, a)
+    raw = encode_message(
+        DeltaAnnounced(manifest_bytes=signed.manifest_bytes, signature=signed.signature)
+    )
+    decoded = decode_message(raw)
+    assert isinstance(decoded, DeltaAnnounced)
+    assert decoded.signed.verify() == manifest
+    published = CheckpointPublished(checkpoint_id="cd" * 32, round=1, parent=BASE_ID)
+    assert decode_message(encode_message(published)) == published
+    with pytest.raises(UnknownMessage):
+        decode_message(msgpack.packb({"v": 1, "body": {"type": "please_merge_me"}}))
+    with pytest.raises(UnknownMessage):
+        decode_message(msgpack.packb({"v": 2, "body": {"type": "delta_announced"}}))
+    with pytest.raises(MessageError, match="exceeds"):
+        decode_message(b"\x00" * (MAX_GOSSIP_BYTES + 1))
+    with pytest.raises(MessageError, match="not msgpack|envelope"):
+        decode_message(b"\xc1garbage")
+    with pytest.raises(MessageError, match="invalid"):
+        decode_message(msgpack.packb({"v": 1, "body": {"type": "checkpoint_published"}}))

@@ -1,0 +1,274 @@
+"""The episode loop: token records, loss masks, tool turns and behaviour logprobs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from transformers import GenerationConfig, Qwen2Config
+
+from node.envs import get_environment
+from node.envs.base import Task
+from node.envs.math import MathEnvironment
+from node.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer, render_demonstrations
+from node.rollout import (
+    PROMPT_TURN,
+    encode_text,
+    play_episodes,
+    render_conversation,
+    summarize_episodes,
+    tokenize_demonstration,
+)
+from node.train import supervised_warm_start, token_logprobs
+
+torch.set_num_threads(1)
+
+TURN_START = "<|im_start|>assistant\n"
+
+
+class ScriptedPolicy(torch.nn.Module):
+    """A stand-in for a language model (test only): in each assistant turn it writes the next
+    token of a fixed script with probability ~1, so episodes follow a known path through the real
+    rollout loop. It reads its token history from the KV cache the rollout passes in."""
+
+    def __init__(self, tokenizer: Any, scripts: dict[str, list[list[int]]]) -> None:
+        super().__init__()
+        self.config = Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=8,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            max_position_embeddings=4096,
+        )
+        self.generation_config = GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        )
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.tokenizer = tokenizer
+        self.scripts = scripts
+        self.turn_start = encode_text(tokenizer, TURN_START)
+
+    def _next_token(self, history: list[int]) -> int:
+        text = self.tokenizer.decode(history)
+        (script,) = [turns for prompt, turns in self.scripts.items() if prompt in text]
+        width = len(self.turn_start)
+        starts = [i for i in range(len(history)) if history[i : i + width] == self.turn_start]
+        written = len(history) - (starts[-1] + width)
+        turn = script[len(starts) - 1]
+        return turn[written] if written < len(turn) else self.tokenizer.eos_token_id
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: Any,
+        **_: Any,
+    ) -> SimpleNamespace:
+        as_states = input_ids.to(torch.float32)[:, None, :, None]
+        history = cache.update(as_states, as_states, 0)[0][:, 0, :, 0].long()
+        logits = torch.full((input_ids.shape[0], 1, self.config.vocab_size), -1e4)
+        for row in range(input_ids.shape[0]):
+            real = history[row][attention_mask[row].bool()].tolist()
+            logits[row, 0, self._next_token(real)] = 0.0
+        return SimpleNamespace(logits=logits)
+
+
+@pytest.fixture(scope="module")
+def env() -> MathEnvironment:
+    return get_environment("math")  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(env: MathEnvironment):
+    renderer = build_tokenizer(TEMPLATE_FIXED_STRINGS)
+    corpus = list(TEMPLATE_FIXED_STRINGS) + render_demonstrations(renderer, [env], 300, seed=0)
+    return build_tokenizer(corpus)
+
+
+@pytest.fixture(scope="module")
+def warm_model(tokenizer, env: MathEnvironment):
+    """A tiny model after a few supervised steps: it writes tool calls, so episodes go multi-turn."""
+    model = build_tiny_model(tokenizer, seed=0)
+    supervised_warm_start(model, tokenizer, [env], steps=45, batch_size=8, lr=3e-3, seed=0)
+    return model
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return encode_text(tokenizer, text)
+
+
+SHARE_TASK = Task(
+    id="math-share-example",
+    prompt="Kai has 4 shells and Eli has 41 shells. They share them equally among 9 kids. "
+    "How many shells does each kid get?",
+    answer="5",
+    metadata={"template": "share", "steps": ["4+41", "{previous}/9"]},
+)
+
+
+def test_loss_mask_spans_of_a_two_tool_call_episode(tokenizer, env: MathEnvironment) -> None:
+    turns = [
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "4+41"}}</tool_call><|im_end|>',
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "45/9"}}</tool_call><|im_end|>',
+        "<answer>5</answer><|im_end|>",
+    ]
+    results = [
+        "\n<|im_start|>user\n<tool_response>45</tool_response><|im_end|>\n" + TURN_START,
+        "\n<|im_start|>user\n<tool_response>5</tool_response><|im_end|>\n" + TURN_START,
+    ]
+    policy = ScriptedPolicy(tokenizer, {SHARE_TASK.prompt: [_encode(tokenizer, t) for t in turns]})
+    (episode,) = play_episodes(policy, tokenizer, env, [SHARE_TASK], seed=0)
+
+    prompt = _encode(
+        tokenizer,
+        render_conversation(tokenizer, env.initial_messages(SHARE_TASK), env.tool_schemas(), True),
+    )
+    segments = [
+        (prompt, 0, PROMPT_TURN),
+        (_encode(tokenizer, turns[0]), 1, 0),
+        (_encode(tokenizer, results[0]), 0, 0),
+        (_encode(tokenizer, turns[1]), 1, 1),
+        (_encode(tokenizer, results[1]), 0, 1),
+        (_encode(tokenizer, turns[2]), 1, 2),
+    ]
+    assert episode.token_ids == [t for ids, _, _ in segments for t in ids]
+    assert episode.loss_mask == [mask for ids, mask, _ in segments for _ in ids]
+    assert episode.turn_index == [turn for ids, _, turn in segments for _ in ids]
+    assert all(lp == 0.0 for lp, m in zip(episode.logprobs, episode.loss_mask) if not m)
+    assert all(lp > -1e-3 for lp, m in zip(episode.logprobs, episode.loss_mask) if m)
+    assert episode.num_tool_calls == 2 and episode.num_tool_errors == 0
+    assert episode.num_turns == 3
+    assert episode.final_answer == "5" and episode.reward == 1.0
+    assert episode.finish_reason == "answer"
+    assert [m["role"] for m in episode.messages] == [
+        "system", "user", "assistant", "tool", "assistant", "tool", "assistant",
+    ]  # fmt: skip
+    assert [m["content"] for m in episode.messages if m["role"] == "tool"] == ["45", "5"]
+
+
+def test_replayed_demonstrations_equal_the_full_rendering_and_score_one(
+    tokenizer, env: MathEnvironment
+) -> None:
+    tasks = env.tasks("heldout", 12)
+    tools = env.tool_schemas()
+    records = {task.prompt: tokenize_demonstration(tokenizer, env.solve(task), tools) for task in tasks}
+    scripts: dict[str, list[list[int]]] = {}
+    for prompt, record in records.items():
+        turns: dict[int, list[int]] = {}
+        for token, mask, turn in zip(record.token_ids, record.loss_mask, record.turn_index):
+            if mask:
+                turns.setdefault(turn, []).append(token)
+        scripts[prompt] = [turns[i] for i in sorted(turns)]
+    policy = ScriptedPolicy(tokenizer, scripts)
+    episodes = play_episodes(policy, tokenizer, env, tasks, samples_per_task=2, seed=1)
+    assert len(episodes) == 24
+    assert all(episode.reward == 1.0 for episode in episodes)
+    for episode in episodes:
+        record = records[episode.task.prompt]
+        full = _encode(tokenizer, render_conversation(tokenizer, episode.messages, tools, False))
+        # The conversation's full rendering ends with template glue after the last end-of-turn.
+        assert full[: len(episode.token_ids)] == episode.token_ids
+        assert tokenizer.decode(full[len(episode.token_ids) :]) == "\n"
+        assert record.token_ids[: len(episode.token_ids)] == episode.token_ids
+        assert record.loss_mask[: len(episode.token_ids)] == episode.loss_mask
+        assert episode.num_tool_calls == len(episode.task.metadata["steps"])
+    summary = summarize_episodes(episodes)
+    assert summary["success_rate"] == 1.0 and summary["tool_errors_mean"] == 0.0
+
+
+def test_bad_tool_calls_no_tool_call_and_turn_limit(tokenizer) -> None:
+    env = MathEnvironment(max_turns=2)
+    bad_then_answer = Task("a", "Ann has 1 pen. Question A?", "7", {"steps": ["7"]})
+    no_call = Task("b", "Ben has 2 pens. Question B?", "2", {"steps": ["2"]})
+    too_many = Task("c", "Cara has 3 pens. Question C?", "3", {"steps": ["3"]})
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call><|im_end|>'
+    scripts = {
+        bad_then_answer.prompt: [
+            _encode(tokenizer, "<tool_call>{oops}</tool_call><|im_end|>"),
+            _encode(tokenizer, "<answer>7</answer><|im_end|>"),
+        ],
+        no_call.prompt: [_encode(tokenizer, "I think it is 2.<|im_end|>")],
+        too_many.prompt: [_encode(tokenizer, call)] * 3,
+    }
+    policy = ScriptedPolicy(tokenizer, scripts)
+    bad, silent, limited = play_episodes(policy, tokenizer, env, [bad_then_answer, no_call, too_many])
+    assert (bad.finish_reason, bad.num_tool_calls, bad.num_tool_errors, bad.reward) == (
+        "answer", 1, 1, 1.0,
+    )  # fmt: skip
+    assert bad.messages[3]["content"].startswith("Error: tool call is not valid JSON")
+    assert (silent.finish_reason, silent.num_tool_calls, silent.reward) == ("no_tool_call", 0, 0.0)
+    assert silent.final_answer is None
+    assert (limited.finish_reason, limited.num_turns, limited.num_tool_calls) == ("max_turns", 2, 1)
+    assert limited.token_ids[-1] == tokenizer.eos_token_id
+
+
+def test_rollout_logprobs_match_a_fresh_forward_pass(tokenizer, env: MathEnvironment, warm_model) -> None:
+    tasks = env.tasks("heldout", 6)
+    episodes = play_episodes(
+        warm_model, tokenizer, env, tasks, samples_per_task=3, temperature=1.0, seed=3, max_new_tokens=48
+    )
+    assert len({len(e.token_ids) for e in episodes}) > 1  # left padding in play
+    assert any(e.num_turns >= 2 for e in episodes)  # tokens after a tool result are covered
+    checked = 0
+    for episode in episodes:
+        ids = torch.tensor([episode.token_ids])
+        with torch.no_grad():
+            fresh = token_logprobs(warm_model, ids, torch.ones_like(ids), 1.0)[0]
+        sampled = torch.tensor(episode.loss_mask, dtype=torch.bool)
+        behaviour = torch.tensor(episode.logprobs)
+        assert torch.allclose(fresh[sampled], behaviour[sampled], atol=1e-4)
+        assert torch.all(behaviour[~sampled] == 0)
+        checked += int(sampled.sum())
+    assert checked > 100
+
+
+def test_tempered_sampling_logprobs_use_the_scaled_distribution(
+    tokenizer, env: MathEnvironment, warm_model
+) -> None:
+    episodes = play_episodes(
+        warm_model, tokenizer, env, env.tasks("heldout", 3), temperature=0.7, seed=5, max_new_tokens=24
+    )
+    for episode in episodes:
+        assert episode.temperature == 0.7
+        ids = torch.tensor([episode.token_ids])
+        with torch.no_grad():
+            fresh = token_logprobs(warm_model, ids, torch.ones_like(ids), 0.7)[0]
+        sampled = torch.tensor(episode.loss_mask, dtype=torch.bool)
+        assert torch.allclose(fresh[sampled], torch.tensor(episode.logprobs)[sampled], atol=1e-4)
+
+
+def test_seeded_rollouts_repeat_and_limits_hold(tokenizer, env: MathEnvironment, warm_model) -> None:
+    tasks = env.tasks("train", 4)
+    first = play_episodes(warm_model, tokenizer, env, tasks, samples_per_task=2, seed=11)
+    again = play_episodes(warm_model, tokenizer, env, tasks, samples_per_task=2, seed=11)
+    assert [e.token_ids for e in first] == [e.token_ids for e in again]
+    assert [e.task.id for e in first] == [t.id for t in tasks for _ in range(2)]
+    greedy = play_episodes(warm_model, tokenizer, env, tasks, greedy=True)
+    assert [e.token_ids for e in greedy] == [
+        e.token_ids for e in play_episodes(warm_model, tokenizer, env, tasks, greedy=True, seed=9)
+    ]
+    short = play_episodes(warm_model, tokenizer, env, tasks, max_new_tokens=3, seed=0)
+    assert all(e.num_sampled_tokens <= 3 for e in short)
+    assert all(e.finish_reason in ("length", "answer", "no_tool_call") for e in short)
+    prompt_length = min(e.loss_mask.index(1) for e in first)
+    capped = play_episodes(
+        warm_model, tokenizer, env, tasks, seed=0, max_total_tokens=prompt_length + 30
+    )
+    assert all(len(e.token_ids) <= prompt_length + 30 for e in capped)
+    assert all(e.done for e in capped)
+    assert any(e.finish_reason in ("length", "context") for e in capped)
+    with pytest.raises(ValueError, match="temperature"):
+        play_episodes(warm_model, tokenizer, env, tasks, temperature=0.0)
+
+
+def test_rollout_restores_training_mode(tokenizer, env: MathEnvironment, warm_model) -> None:
+    warm_model.train()
+    play_episodes(warm_model, tokenizer, env, env.tasks("train", 1), max_new_tokens=2, seed=0)
+    assert warm_model.training
+    warm_model.eval()
+    play_episodes(warm_model, tokenizer, env, env.tasks("train", 1), max_new_tokens=2, seed=0)
+    assert not warm_model.training
