@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
@@ -167,6 +168,7 @@ def run_demo(
             )
         record = _follow_round(url, processes, console, timeout)
         pulled = _pull_and_generate(url, workdir / "pulled", console)
+        _wait_nodes_done(processes[1:], timeout=30)
     finally:
         stop_all(processes)
     _print_summary(console, record, pulled, workdir)
@@ -219,30 +221,43 @@ def _progress_table(processes: list[Process], round_record: dict | None) -> Tabl
 
 
 def _pull_and_generate(url: str, out: Path, console: Console) -> Path:
+    """Pull the merged checkpoint as a user would and play one held-out episode with it."""
+    from node.envs import get_environment
+    from node.model import load_policy
+    from node.rollout import play_episodes
     from protocol.pull import pull
 
     path = pull(url, "latest", out, progress=False)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 12 + 30?"}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
-    output = model.generate(**ids, max_new_tokens=24, do_sample=False)
-    text = tokenizer.decode(output[0, ids["input_ids"].shape[1] :], skip_special_tokens=False)
-    console.print(f"pulled checkpoint generates: {text!r}")
+    model, tokenizer = load_policy(path)
+    env = get_environment("math")
+    (episode,) = play_episodes(model, tokenizer, env, env.tasks("heldout", 1), greedy=True)
+    console.print("[bold]one held-out episode with the pulled checkpoint[/bold]")
+    for message in episode.messages:
+        if message["role"] == "system":
+            continue
+        content = message.get("content") or ""
+        for call in message.get("tool_calls") or []:
+            content += f" <tool_call>{call['function']}</tool_call>"
+        console.print(f"  [cyan]{message['role']}[/cyan]: {escape(content.strip())}")
+    console.print(f"  reward {episode.reward:.1f} (answer {episode.task.answer})")
     return path
+
+
+def _wait_nodes_done(processes: list[Process], timeout: float) -> None:
+    """Nodes finish their last round on their own once the merged checkpoint is out."""
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        try:
+            p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
 
 
 def _print_summary(console: Console, record: dict, pulled: Path, workdir: Path) -> None:
     table = Table(title="round 1 result")
     table.add_column("")
     table.add_column("value")
-    table.add_row("checkpoint id", record["checkpoint_id"])
+    table.add_row("checkpoint id", record["checkpoint_id"][:16] + "…")
     table.add_row("merge method", record["method"].get("method", "?"))
     table.add_row("deltas merged", str(len(record["inputs"])))
     for domain, base_row in record["evaluation"].get("base", {}).items():
@@ -255,4 +270,6 @@ def _print_summary(console: Console, record: dict, pulled: Path, workdir: Path) 
     table.add_row("pulled checkpoint", str(pulled))
     table.add_row("registry", str(workdir / "coordinator" / "registry"))
     table.add_row("logs", str(workdir / "logs"))
-    Console().print(table)
+    out = Console()
+    out.print(table)
+    out.print(f"checkpoint id: {record['checkpoint_id']}")
