@@ -8,7 +8,7 @@ from pathlib import Path
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from node.envs import get_environment
-from node.model import load_policy
+from node.model import load_policy, set_torch_threads
 from node.rollout import DEFAULT_MAX_NEW_TOKENS, play_episodes, summarize_episodes
 
 Policy = tuple[PreTrainedModel, PreTrainedTokenizerBase]
@@ -40,11 +40,15 @@ def evaluate_checkpoint(
     *,
     temperature: float = 1.0,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    num_threads: int | None = None,
 ) -> EvalResult:
     """Play one episode on each of `n_tasks` held-out tasks of `domain` (greedy by default, or
-    sampled at `temperature` with `seed`) and report mean reward and success rate."""
+    sampled at `temperature` with `seed`) and report mean reward and success rate.
+    `num_threads`, when given, sets torch's threads first."""
     if n_tasks < 1:
         raise ValueError("n_tasks must be at least 1")
+    if num_threads is not None:
+        set_torch_threads(num_threads)
     if isinstance(path_or_model_and_tokenizer, str | Path):
         model, tokenizer = load_policy(Path(path_or_model_and_tokenizer))
     else:

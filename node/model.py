@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -34,15 +33,24 @@ PAD_TOKEN = "<|endoftext|>"
 TURN_START_TOKEN = "<|im_start|>"
 TURN_END_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, TURN_START_TOKEN, TURN_END_TOKEN)
-TOOL_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+TOOL_TOKENS: tuple[str, ...] = (
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+# An upper bound: BPE stops earlier when no pair occurs twice (about 670 on the math corpus).
 DEFAULT_VOCAB_SIZE = 1024
 DEFAULT_MAX_POSITIONS = 2048
+# Wider than Qwen2's 0.02: at hidden size 128 this model learns to copy numbers from the prompt
+# into tool calls in roughly half the supervised steps.
+DEFAULT_INITIALIZER_RANGE = 0.08
 
 # Demonstrations the tokenizer is trained on, per domain.
 TOKENIZER_CORPUS_TASKS = 2000
-DEFAULT_WARM_START_STEPS = 300
+DEFAULT_WARM_START_STEPS = 220
 DEFAULT_WARM_START_BATCH_SIZE = 16
-DEFAULT_WARM_START_LR = 3e-3
+DEFAULT_WARM_START_LR = 1.5e-3
 
 TOOLS_HEADER = (
     "# Tools\n\nYou may call functions to help with the task. "
@@ -176,6 +184,8 @@ def build_tiny_model(
     layers: int = 4,
     heads: int = 4,
     intermediate: int = 512,
+    *,
+    initializer_range: float = DEFAULT_INITIALIZER_RANGE,
 ) -> Qwen2ForCausalLM:
     """A freshly initialised float32 Qwen2 with tied embeddings sized to `tokenizer`."""
     if hidden % heads:
@@ -189,6 +199,7 @@ def build_tiny_model(
         num_key_value_heads=heads,
         max_position_embeddings=DEFAULT_MAX_POSITIONS,
         tie_word_embeddings=True,
+        initializer_range=initializer_range,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
@@ -205,7 +216,10 @@ def build_tiny_model(
 
 
 def render_demonstrations(
-    tokenizer: PreTrainedTokenizerBase, environments: Sequence[Environment], n_per_env: int, seed: int
+    tokenizer: PreTrainedTokenizerBase,
+    environments: Sequence[Environment],
+    n_per_env: int,
+    seed: int,
 ) -> list[str]:
     """Solver demonstrations on training tasks, rendered through `tokenizer`'s chat template."""
     texts: list[str] = []
@@ -242,7 +256,6 @@ def create_base_checkpoint(
     corpus += render_demonstrations(template_only, environments, TOKENIZER_CORPUS_TASKS, seed)
     tokenizer = build_tokenizer(corpus)
     model = build_tiny_model(tokenizer, seed=seed)
-    started = time.perf_counter()
     losses = supervised_warm_start(
         model,
         tokenizer,
@@ -263,7 +276,6 @@ def create_base_checkpoint(
         "warm_start_batch_size": warm_start_batch_size,
         "warm_start_lr": warm_start_lr,
         "warm_start_final_loss": losses[-1] if losses else None,
-        "warm_start_seconds": round(time.perf_counter() - started, 2),
     }
     (out_dir / "skillswarm_base.json").write_text(json.dumps(provenance, indent=2) + "\n")
     return out_dir
@@ -273,7 +285,9 @@ def load_policy(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a Hugging Face folder, in float32, eval mode."""
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise CheckpointLoadError(f"{path} has no config.json; expected a Hugging Face model folder")
+        raise CheckpointLoadError(
+            f"{path} has no config.json; expected a Hugging Face model folder"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -3,11 +3,12 @@
 batched across live episodes with a KV cache; every sampled token keeps its behaviour logprob.
 
 Token invariant: an episode's `token_ids` are exactly what the model saw and sampled. The prompt and
-every environment segment are the tokenization of the chat template's rendering, appended after the
-sampled end-of-turn token (a special token, so tokenization restarts there). Decoding `token_ids`
-gives the rendering of `messages` (assistant messages keep the raw generated text as `content`);
-when the sampled tokens are the tokenizer's own encoding of their text, as in forced or
-demonstration turns, `token_ids` equal the tokenization of the full rendered conversation.
+every environment segment are the tokenization of what the chat template adds to its previous
+rendering, appended after the sampled end-of-turn token (a special token, so tokenization restarts
+there). Decoding `token_ids` gives the rendering of `messages` up to the last end-of-turn token
+(assistant messages keep the raw generated text as `content`). When the sampled tokens are the
+tokenizer's own encoding of their text, as in forced or demonstration turns, `token_ids` equal the
+tokenization of that rendering (tested).
 """
 
 from __future__ import annotations
@@ -62,7 +63,15 @@ class ConversationTokens:
 
 @dataclass
 class Episode:
-    """One played episode: the conversation, its outcome and its token-level training record."""
+    """One played episode: the conversation, its outcome and its token-level training record.
+
+    `turn_index` is -1 on the prompt and k on assistant turn k's sampled tokens and on the tool
+    results that follow it. `finish_reason` is one of: answer, no_tool_call, max_turns (the turn
+    limit came with tool calls still pending; they are not run), length (the turn hit
+    max_new_tokens), context (the token budget is spent), stop_token (a stop token other than the
+    end-of-turn token). `rendered_text` is the text `token_ids` stand for, kept to append later
+    turns exactly.
+    """
 
     task: Task
     sample_index: int
@@ -189,6 +198,16 @@ def cache_keyword_for(model: PreTrainedModel) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+def common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
+    """Leading tokens all sequences share, leaving every sequence at least one token of its own."""
+    first = sequences[0]
+    limit = min(len(sequence) for sequence in sequences) - 1
+    length = 0
+    while length < limit and all(sequence[length] == first[length] for sequence in sequences):
+        length += 1
+    return length
+
+
 @torch.inference_mode()
 def sample_continuations(
     model: PreTrainedModel,
@@ -201,21 +220,41 @@ def sample_continuations(
     greedy: bool = False,
     generator: torch.Generator | None = None,
 ) -> list[_TurnSample]:
-    """Sample one continuation per prompt with a shared left-padded KV cache. Each token's logprob
-    is under the sampling distribution (softmax of logits / temperature; greedy: temperature 1).
-    A row stops at a stop token or after its own `max_new_tokens`."""
+    """Sample one continuation per prompt with one batched KV cache. Each token's logprob is under
+    the sampling distribution (softmax of logits / temperature; greedy: temperature 1). A row stops
+    at a stop token or after its own `max_new_tokens`.
+
+    The prompts' common leading tokens (the system prompt, typically) are run once and shared;
+    each row's remaining tokens follow, left-padded, with position ids that skip the padding."""
     batch = len(prompts)
-    width = max(len(prompt) for prompt in prompts)
     device = next(model.parameters()).device
-    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[row, width - len(prompt) :] = 1
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     cache_keyword = cache_keyword_for(model)
+    shared = common_prefix_length(prompts) if batch > 1 else 0
+    if shared < 2:
+        shared = 0
+    else:
+        model(
+            input_ids=torch.tensor([prompts[0][:shared]], dtype=torch.long, device=device),
+            attention_mask=torch.ones((1, shared), dtype=torch.long, device=device),
+            position_ids=torch.arange(shared, device=device).unsqueeze(0),
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_keyword: cache},
+        )
+        cache.batch_repeat_interleave(batch)
+    rests = [prompt[shared:] for prompt in prompts]
+    width = max(len(rest) for rest in rests)
+    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    rest_mask = torch.zeros((batch, width), dtype=torch.long)
+    for row, rest in enumerate(rests):
+        input_ids[row, width - len(rest) :] = torch.tensor(rest, dtype=torch.long)
+        rest_mask[row, width - len(rest) :] = 1
+    input_ids, rest_mask = input_ids.to(device), rest_mask.to(device)
+    position_ids = (shared + rest_mask.cumsum(-1) - 1).clamp(min=0)
+    attention_mask = torch.cat(
+        [torch.ones((batch, shared), dtype=torch.long, device=device), rest_mask], dim=-1
+    )
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -237,13 +276,12 @@ def sample_continuations(
             tokens = log_probs.argmax(dim=-1)
         else:
             tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
-        token_log_probs = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        for position, row in enumerate(rows):
+        token_log_probs = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+        for position, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
             if not live[row]:
                 continue
-            token = int(tokens[position])
             samples[row].token_ids.append(token)
-            samples[row].logprobs.append(float(token_log_probs[position]))
+            samples[row].logprobs.append(token_log_probs[position])
             if token in stop_token_ids:
                 samples[row].stop_token = token
             if token in stop_token_ids or len(samples[row].token_ids) >= limits[row]:
@@ -294,7 +332,9 @@ def _start_episode(
     tools: list[dict[str, Any]],
 ) -> Episode:
     messages = env.initial_messages(task)
-    episode = Episode(task=task, sample_index=sample_index, messages=messages, temperature=temperature)
+    episode = Episode(
+        task=task, sample_index=sample_index, messages=messages, temperature=temperature
+    )
     prompt_text = render_conversation(tokenizer, messages, tools, add_generation_prompt=True)
     episode.tokens.add_context(encode_text(tokenizer, prompt_text), PROMPT_TURN)
     episode.rendered_text = prompt_text

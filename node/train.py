@@ -16,11 +16,13 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from node.envs.base import Environment
+from node.model import set_torch_threads
 from node.rollout import (
     DEFAULT_MAX_NEW_TOKENS,
     ConversationTokens,
     Episode,
     cache_keyword_for,
+    common_prefix_length,
     play_episodes,
     summarize_episodes,
     tokenize_demonstration,
@@ -50,15 +52,10 @@ def shared_prefix_length(
 ) -> int:
     """Length of the leading tokens every row has in common and none trains on (typically the
     system prompt): `token_logprobs` runs them once for the whole batch."""
-    limit = min(len(sequence) for sequence in sequences) - 1
-    for mask in loss_masks:
-        first_trained = next((i for i, value in enumerate(mask) if value), len(mask))
-        limit = min(limit, first_trained)
-    first = sequences[0]
-    length = 0
-    while length < limit and all(sequence[length] == first[length] for sequence in sequences):
-        length += 1
-    return length
+    first_trained = min(
+        next((i for i, value in enumerate(mask) if value), len(mask)) for mask in loss_masks
+    )
+    return min(common_prefix_length(sequences), first_trained)
 
 
 def token_logprobs(
@@ -132,7 +129,7 @@ def supervised_warm_start(
         raise ValueError("supervised_warm_start needs at least one environment")
     if steps <= 0:
         return []
-    warmup = max(1, steps // 10) if warmup_steps is None else warmup_steps
+    warmup = max(1, min(10, steps // 10)) if warmup_steps is None else warmup_steps
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     decay_start = int(steps * 0.8)
@@ -151,7 +148,7 @@ def supervised_warm_start(
     was_training = model.training
     model.train()
     try:
-        for step in range(steps):
+        for _ in range(steps):
             records: list[ConversationTokens] = []
             for slot in range(batch_size):
                 env = envs[slot % len(envs)]
@@ -198,7 +195,8 @@ class PolicyGradientTrainer:
     """GRPO-style updates on episodes from a behaviour policy μ (which may lag the trainer).
 
     Per sampled token: ratio r = π_θ/μ, loss -min(r·A, clip(r, 1-ε_low, 1+ε_high)·A), averaged
-    over all loss-bearing tokens of the update (token-mean).
+    over all loss-bearing tokens of the update (token-mean). Episodes with zero advantage (their
+    group's rewards all equal) carry no gradient and are left out of the update and the mean.
     """
 
     def __init__(
@@ -326,11 +324,14 @@ def train_rl(
     temperature: float = 1.0,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     trainer: PolicyGradientTrainer | None = None,
+    num_threads: int | None = None,
     **trainer_options: Any,
 ) -> list[dict[str, float]]:
     """Play a fresh batch of training tasks with the current policy, update on it, repeat.
     Each step's metrics (reward mean, success rate, tool calls, update statistics, seconds) are
-    passed to `on_step` and returned."""
+    passed to `on_step` and returned. `num_threads`, when given, sets torch's threads first."""
+    if num_threads is not None:
+        set_torch_threads(num_threads)
     trainer = trainer or PolicyGradientTrainer(model, tokenizer, lr=lr, **trainer_options)
     history: list[dict[str, float]] = []
     for step in range(steps):

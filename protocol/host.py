@@ -11,6 +11,7 @@ import queue
 import socket
 import struct
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,10 +23,18 @@ import msgpack
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost, INetStream, ISubscriptionAPI
+from libp2p.abc import (
+    ConnectionType,
+    IHost,
+    INetStream,
+    IRawConnection,
+    ISecureConn,
+    ISubscriptionAPI,
+)
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.network.connection.exceptions import RawConnError
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12, GossipSub
@@ -58,8 +67,9 @@ logger = logging.getLogger(__name__)
 
 BLOB_PROTOCOL_ID = TProtocol("/skillswarm/blob/1.0.0")
 
-# libp2p gossipsub drops any RPC frame over 1 MiB; the frame also carries the topic, origin,
-# sequence number, signature, public key and a signed peer record.
+# libp2p gossipsub drops any RPC frame over 1 MiB (an inbound one is refused before it is read);
+# the frame also carries the topic, origin, sequence number, signature, public key and a signed
+# peer record.
 GOSSIP_RPC_LIMIT_BYTES = 1 << 20
 GOSSIP_ENVELOPE_ALLOWANCE_BYTES = 16 << 10
 MAX_GOSSIP_PAYLOAD_BYTES = GOSSIP_RPC_LIMIT_BYTES - GOSSIP_ENVELOPE_ALLOWANCE_BYTES
@@ -79,6 +89,9 @@ MAX_BLOB_RESPONSE_HEADER_BYTES = 4096
 BLOB_REQUEST_READ_TIMEOUT_S = 30.0
 BLOB_WRITE_STALL_TIMEOUT_S = 60.0
 _FRAME_LENGTH = struct.Struct(">I")
+
+# A connection that cannot take one Noise message (at most 64 KiB) in this time is treated as dead.
+RAW_WRITE_STALL_TIMEOUT_S = 10.0
 
 MESH_POLL_INTERVAL_S = 0.05
 GRACEFUL_STOP_TIMEOUT_S = 10.0
@@ -128,11 +141,42 @@ class GossipMessage:
 
 
 class _GuardedPubsub(Pubsub):
-    """Pubsub that drops a malformed message from a peer instead of failing the whole service.
+    """Pubsub hardened against peers' malformed input and against its own interleaved writes.
 
-    py-libp2p's signature check raises (rather than rejecting) on an undecodable public key, and an
-    error in a pubsub task stops the pubsub service.
+    py-libp2p 0.8.1 lets three things through that this class stops:
+    - an RPC frame that is not valid protobuf raises out of the stream handler and stops the whole
+      host (any connected peer could crash us); such a stream is reset and the peer's pubsub
+      state dropped, as libp2p already does for oversized frames;
+    - the signature check raises (rather than rejecting) on an undecodable public key, and an
+      error in a pubsub task stops the pubsub service; such a message is dropped;
+    - the replay of recent messages to a joining peer writes to its stream while the peer's send
+      queue writes too; a message over one yamux frame (64 KiB) then interleaves with the other
+      writes and the peer reads a corrupt RPC; writes to one stream are serialized.
     """
+
+    def __init__(self, host: IHost, router: GossipSub, strict_signing: bool) -> None:
+        super().__init__(
+            host, router, strict_signing=strict_signing, max_inbound_rpc_size=GOSSIP_RPC_LIMIT_BYTES
+        )
+        self._stream_write_locks: weakref.WeakKeyDictionary[INetStream, trio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    async def stream_handler(self, stream: INetStream) -> None:
+        try:
+            await super().stream_handler(stream)
+        except Exception as error:
+            remote = stream.muxed_conn.peer_id
+            logger.warning(
+                "reset the gossip stream from %s after an unreadable RPC: %r", remote, error
+            )
+            await _reset_quietly(stream)
+            self._handle_dead_peer(remote)
+
+    async def write_msg(self, stream: INetStream, rpc_msg: rpc_pb2.RPC) -> bool:
+        lock = self._stream_write_locks.setdefault(stream, trio.Lock())
+        async with lock:
+            return await super().write_msg(stream, rpc_msg)
 
     async def push_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
         if msg_forwarder == self.my_id:
@@ -142,6 +186,58 @@ class _GuardedPubsub(Pubsub):
             await super().push_msg(msg_forwarder, msg)
         except Exception as error:
             logger.warning("dropped a malformed gossip message from %s: %r", msg_forwarder, error)
+
+
+class _CancelSafeRawConnection(IRawConnection):
+    """A TCP connection whose writes a cancellation cannot cut short.
+
+    Noise encrypts each message with the next nonce just before it writes it. A write cancelled
+    before it sent its bytes (a fetch timeout, the blob server's stall timeout) would spend that
+    nonce: the peer could decrypt nothing after it and the whole connection, gossip included,
+    would die. Writes here finish, or fail after RAW_WRITE_STALL_TIMEOUT_S and close the
+    connection; a cancellation then takes effect at the next checkpoint.
+    """
+
+    def __init__(self, conn: IRawConnection) -> None:
+        self._conn = conn
+        self.is_initiator = conn.is_initiator
+
+    async def write(self, data: bytes) -> None:
+        with trio.CancelScope(shield=True) as write_scope:
+            write_scope.deadline = trio.current_time() + RAW_WRITE_STALL_TIMEOUT_S
+            await self._conn.write(data)
+        if write_scope.cancelled_caught:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await self._conn.close()
+            raise RawConnError(
+                f"the connection to {self.get_remote_address()} accepted no message for "
+                f"{RAW_WRITE_STALL_TIMEOUT_S} s; closed it"
+            )
+
+    async def read(self, n: int | None = None) -> bytes:
+        return await self._conn.read(n)
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+    def get_remote_address(self) -> tuple[str, int] | None:
+        return self._conn.get_remote_address()
+
+    def get_transport_addresses(self) -> list[multiaddr.Multiaddr]:
+        return self._conn.get_transport_addresses()
+
+    def get_connection_type(self) -> ConnectionType:
+        return self._conn.get_connection_type()
+
+
+class _CancelSafeNoiseTransport(NoiseTransport):
+    """Noise over _CancelSafeRawConnection, so a cancelled stream write ends only that stream."""
+
+    async def secure_inbound(self, conn: IRawConnection) -> ISecureConn:
+        return await super().secure_inbound(_CancelSafeRawConnection(conn))
+
+    async def secure_outbound(self, conn: IRawConnection, peer_id: ID) -> ISecureConn:
+        return await super().secure_outbound(_CancelSafeRawConnection(conn), peer_id)
 
 
 class SwarmHost:
@@ -427,7 +523,7 @@ class SwarmHost:
                 key_pair=self.key_pair,
                 # Only Noise is offered: plaintext, TLS and SECIO are refused.
                 sec_opt={
-                    NOISE_PROTOCOL_ID: NoiseTransport(
+                    NOISE_PROTOCOL_ID: _CancelSafeNoiseTransport(
                         self.key_pair, noise_privkey=create_x25519_key_pair().private_key
                     )
                 },

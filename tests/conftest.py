@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory):
-    """The embedded base model with a short warm start: a real checkpoint folder, built once."""
+    """The embedded default base model (warm-started as `skillswarm demo` builds it), built once."""
     from node.model import create_base_checkpoint
 
-    return create_base_checkpoint(tmp_path_factory.mktemp("base") / "base", warm_start_steps=30)
+    return create_base_checkpoint(tmp_path_factory.mktemp("base") / "base")

@@ -23,8 +23,6 @@ from node.model import (
     render_demonstrations,
 )
 
-torch.set_num_threads(1)
-
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -34,14 +32,9 @@ def tokenizer():
     return build_tokenizer(corpus)
 
 
-@pytest.fixture(scope="module")
-def base_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_base_checkpoint(tmp_path_factory.mktemp("base") / "ckpt", warm_start_steps=2)
-
-
 def test_tokenizer_is_byte_level_with_single_digit_tokens(tokenizer) -> None:
     assert 300 <= len(tokenizer) <= 1100
-    for text in ["Ann has 12 apples.", "ünïcödé ☃ \t\n\n  tabs", "1234567890", "{\"a\": [1.5]}"]:
+    for text in ["Ann has 12 apples.", "ünïcödé ☃ \t\n\n  tabs", "1234567890", '{"a": [1.5]}']:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert tokenizer.decode(ids) == text
     digits = tokenizer.convert_ids_to_tokens(
@@ -76,7 +69,10 @@ def test_chat_template_renders_tools_tool_calls_and_tool_results(tokenizer) -> N
             "role": "assistant",
             "content": "",
             "tool_calls": [
-                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}
+                {
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": "2+3"}},
+                }
             ],
         },
         {"role": "tool", "name": "calculator", "content": "5"},
@@ -100,7 +96,10 @@ def test_chat_template_renders_tools_tool_calls_and_tool_results(tokenizer) -> N
     assert prompt.endswith("What is 2+3?<|im_end|>\n<|im_start|>assistant\n")
     assert text.startswith(prompt[: -len("<|im_start|>assistant\n")])
     plain = tokenizer.apply_chat_template(messages[:2], tokenize=False)
-    assert plain == "<|im_start|>system\nBe exact.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+    assert (
+        plain
+        == "<|im_start|>system\nBe exact.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+    )
     two_results = tokenizer.apply_chat_template(
         [
             {"role": "user", "content": "q"},
@@ -123,14 +122,15 @@ def test_tiny_model_shape_and_seeded_init(tokenizer) -> None:
     assert all(p.dtype == torch.float32 for p in model.parameters())
     same = build_tiny_model(tokenizer, seed=3)
     other = build_tiny_model(tokenizer, seed=4)
-    for (name, a), (_, b), (_, c) in zip(
-        model.state_dict().items(), same.state_dict().items(), other.state_dict().items()
+    for (name, a), (_, b) in zip(
+        model.state_dict().items(), same.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
     assert not torch.equal(model.model.embed_tokens.weight, other.model.embed_tokens.weight)
 
 
-def test_base_checkpoint_is_a_loadable_hugging_face_folder(base_checkpoint: Path) -> None:
+def test_base_checkpoint_is_a_loadable_hugging_face_folder(tiny_base: Path) -> None:
+    base_checkpoint = tiny_base
     for name in ["config.json", "model.safetensors", "tokenizer.json", "generation_config.json"]:
         assert (base_checkpoint / name).is_file(), name
     tokenizer = AutoTokenizer.from_pretrained(base_checkpoint)
@@ -150,10 +150,15 @@ def test_base_checkpoint_is_a_loadable_hugging_face_folder(base_checkpoint: Path
     assert policy_tokenizer.padding_side == "left"
 
 
-def test_base_checkpoint_is_deterministic(base_checkpoint: Path, tmp_path: Path) -> None:
+def test_base_checkpoint_is_deterministic(tmp_path: Path) -> None:
+    first = create_base_checkpoint(tmp_path / "first", warm_start_steps=2)
     again = create_base_checkpoint(tmp_path / "again", warm_start_steps=2)
-    for name in ["model.safetensors", "tokenizer.json"]:
-        assert (again / name).read_bytes() == (base_checkpoint / name).read_bytes(), name
+    for name in ["model.safetensors", "tokenizer.json", "config.json"]:
+        assert (again / name).read_bytes() == (first / name).read_bytes(), name
+    other_seed = create_base_checkpoint(tmp_path / "other", seed=1, warm_start_steps=2)
+    assert (other_seed / "model.safetensors").read_bytes() != (
+        first / "model.safetensors"
+    ).read_bytes()
 
 
 def test_saved_model_round_trips_weights(tokenizer, tmp_path: Path) -> None:
@@ -168,3 +173,18 @@ def test_saved_model_round_trips_weights(tokenizer, tmp_path: Path) -> None:
 def test_load_policy_refuses_a_folder_without_a_model(tmp_path: Path) -> None:
     with pytest.raises(CheckpointLoadError, match="config.json"):
         load_policy(tmp_path)
+
+
+def test_evaluate_checkpoint_scores_heldout_tasks(tiny_base: Path) -> None:
+    from node.evaluate import EvalResult, evaluate_checkpoint
+
+    from_path = evaluate_checkpoint(tiny_base, "math", n_tasks=6, seed=0)
+    assert isinstance(from_path, EvalResult)
+    assert from_path.n == 6 and from_path.greedy and from_path.domain == "math"
+    assert 0.0 <= from_path.success_rate <= 1.0 and 0.0 <= from_path.mean_reward <= 1.0
+    from_policy = evaluate_checkpoint(load_policy(tiny_base), "math", n_tasks=6, seed=0)
+    assert from_policy == from_path
+    sampled = evaluate_checkpoint(tiny_base, "math", n_tasks=6, seed=0, greedy=False)
+    assert sampled.n == 6 and not sampled.greedy
+    with pytest.raises(ValueError):
+        evaluate_checkpoint(tiny_base, "math", n_tasks=0)

@@ -12,7 +12,13 @@ from transformers import GenerationConfig, Qwen2Config
 from node.envs import get_environment
 from node.envs.base import Task
 from node.envs.math import MathEnvironment
-from node.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer, render_demonstrations
+from node.evaluate import evaluate_checkpoint
+from node.model import (
+    TEMPLATE_FIXED_STRINGS,
+    build_tokenizer,
+    load_policy,
+    render_demonstrations,
+)
 from node.rollout import (
     PROMPT_TURN,
     encode_text,
@@ -21,9 +27,7 @@ from node.rollout import (
     summarize_episodes,
     tokenize_demonstration,
 )
-from node.train import supervised_warm_start, token_logprobs
-
-torch.set_num_threads(1)
+from node.train import token_logprobs
 
 TURN_START = "<|im_start|>assistant\n"
 
@@ -54,9 +58,12 @@ class ScriptedPolicy(torch.nn.Module):
 
     def _next_token(self, history: list[int]) -> int:
         text = self.tokenizer.decode(history)
-        (script,) = [turns for prompt, turns in self.scripts.items() if prompt in text]
+        scripts = [turns for prompt, turns in self.scripts.items() if prompt in text]
         width = len(self.turn_start)
         starts = [i for i in range(len(history)) if history[i : i + width] == self.turn_start]
+        if not scripts or not starts:  # a shared prefix run on its own: nothing to write yet
+            return self.tokenizer.pad_token_id
+        (script,) = scripts
         written = len(history) - (starts[-1] + width)
         turn = script[len(starts) - 1]
         return turn[written] if written < len(turn) else self.tokenizer.eos_token_id
@@ -90,11 +97,10 @@ def tokenizer(env: MathEnvironment):
 
 
 @pytest.fixture(scope="module")
-def warm_model(tokenizer, env: MathEnvironment):
-    """A tiny model after a few supervised steps: it writes tool calls, so episodes go multi-turn."""
-    model = build_tiny_model(tokenizer, seed=0)
-    supervised_warm_start(model, tokenizer, [env], steps=45, batch_size=8, lr=3e-3, seed=0)
-    return model
+def warm_policy(tiny_base):
+    """The base checkpoint after a short warm start: it writes tool calls, so episodes have
+    several turns."""
+    return load_policy(tiny_base)
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -111,9 +117,10 @@ SHARE_TASK = Task(
 
 
 def test_loss_mask_spans_of_a_two_tool_call_episode(tokenizer, env: MathEnvironment) -> None:
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "EXPR"}}</tool_call>'
     turns = [
-        '<tool_call>{"name": "calculator", "arguments": {"expression": "4+41"}}</tool_call><|im_end|>',
-        '<tool_call>{"name": "calculator", "arguments": {"expression": "45/9"}}</tool_call><|im_end|>',
+        call.replace("EXPR", "4+41") + "<|im_end|>",
+        call.replace("EXPR", "45/9") + "<|im_end|>",
         "<answer>5</answer><|im_end|>",
     ]
     results = [
@@ -138,8 +145,10 @@ def test_loss_mask_spans_of_a_two_tool_call_episode(tokenizer, env: MathEnvironm
     assert episode.token_ids == [t for ids, _, _ in segments for t in ids]
     assert episode.loss_mask == [mask for ids, mask, _ in segments for _ in ids]
     assert episode.turn_index == [turn for ids, _, turn in segments for _ in ids]
-    assert all(lp == 0.0 for lp, m in zip(episode.logprobs, episode.loss_mask) if not m)
-    assert all(lp > -1e-3 for lp, m in zip(episode.logprobs, episode.loss_mask) if m)
+    assert all(
+        lp == 0.0 for lp, m in zip(episode.logprobs, episode.loss_mask, strict=True) if not m
+    )
+    assert all(lp > -1e-3 for lp, m in zip(episode.logprobs, episode.loss_mask, strict=True) if m)
     assert episode.num_tool_calls == 2 and episode.num_tool_errors == 0
     assert episode.num_turns == 3
     assert episode.final_answer == "5" and episode.reward == 1.0
@@ -155,11 +164,15 @@ def test_replayed_demonstrations_equal_the_full_rendering_and_score_one(
 ) -> None:
     tasks = env.tasks("heldout", 12)
     tools = env.tool_schemas()
-    records = {task.prompt: tokenize_demonstration(tokenizer, env.solve(task), tools) for task in tasks}
+    records = {
+        task.prompt: tokenize_demonstration(tokenizer, env.solve(task), tools) for task in tasks
+    }
     scripts: dict[str, list[list[int]]] = {}
     for prompt, record in records.items():
         turns: dict[int, list[int]] = {}
-        for token, mask, turn in zip(record.token_ids, record.loss_mask, record.turn_index):
+        for token, mask, turn in zip(
+            record.token_ids, record.loss_mask, record.turn_index, strict=True
+        ):
             if mask:
                 turns.setdefault(turn, []).append(token)
         scripts[prompt] = [turns[i] for i in sorted(turns)]
@@ -180,12 +193,34 @@ def test_replayed_demonstrations_equal_the_full_rendering_and_score_one(
     assert summary["success_rate"] == 1.0 and summary["tool_errors_mean"] == 0.0
 
 
+def test_a_policy_that_follows_the_solver_scores_one_in_evaluation(
+    tokenizer, env: MathEnvironment
+) -> None:
+    tasks = env.tasks("heldout", 8, seed=4)
+    scripts = {}
+    for task in tasks:
+        record = tokenize_demonstration(tokenizer, env.solve(task), env.tool_schemas())
+        turns: dict[int, list[int]] = {}
+        for token, mask, turn in zip(
+            record.token_ids, record.loss_mask, record.turn_index, strict=True
+        ):
+            if mask:
+                turns.setdefault(turn, []).append(token)
+        scripts[task.prompt] = [turns[i] for i in sorted(turns)]
+    result = evaluate_checkpoint((ScriptedPolicy(tokenizer, scripts), tokenizer), "math", 8, seed=4)
+    assert (result.n, result.success_rate, result.mean_reward) == (8, 1.0, 1.0)
+    assert result.tool_errors_mean == 0.0 and result.answered_rate == 1.0
+
+
 def test_bad_tool_calls_no_tool_call_and_turn_limit(tokenizer) -> None:
     env = MathEnvironment(max_turns=2)
     bad_then_answer = Task("a", "Ann has 1 pen. Question A?", "7", {"steps": ["7"]})
     no_call = Task("b", "Ben has 2 pens. Question B?", "2", {"steps": ["2"]})
     too_many = Task("c", "Cara has 3 pens. Question C?", "3", {"steps": ["3"]})
-    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call><|im_end|>'
+    call = (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+        "<|im_end|>"
+    )
     scripts = {
         bad_then_answer.prompt: [
             _encode(tokenizer, "<tool_call>{oops}</tool_call><|im_end|>"),
@@ -195,7 +230,9 @@ def test_bad_tool_calls_no_tool_call_and_turn_limit(tokenizer) -> None:
         too_many.prompt: [_encode(tokenizer, call)] * 3,
     }
     policy = ScriptedPolicy(tokenizer, scripts)
-    bad, silent, limited = play_episodes(policy, tokenizer, env, [bad_then_answer, no_call, too_many])
+    bad, silent, limited = play_episodes(
+        policy, tokenizer, env, [bad_then_answer, no_call, too_many]
+    )
     assert (bad.finish_reason, bad.num_tool_calls, bad.num_tool_errors, bad.reward) == (
         "answer", 1, 1, 1.0,
     )  # fmt: skip
@@ -206,10 +243,18 @@ def test_bad_tool_calls_no_tool_call_and_turn_limit(tokenizer) -> None:
     assert limited.token_ids[-1] == tokenizer.eos_token_id
 
 
-def test_rollout_logprobs_match_a_fresh_forward_pass(tokenizer, env: MathEnvironment, warm_model) -> None:
+def test_rollout_logprobs_match_a_fresh_forward_pass(env: MathEnvironment, warm_policy) -> None:
+    warm_model, tokenizer = warm_policy
     tasks = env.tasks("heldout", 6)
     episodes = play_episodes(
-        warm_model, tokenizer, env, tasks, samples_per_task=3, temperature=1.0, seed=3, max_new_tokens=48
+        warm_model,
+        tokenizer,
+        env,
+        tasks,
+        samples_per_task=3,
+        temperature=1.0,
+        seed=3,
+        max_new_tokens=48,
     )
     assert len({len(e.token_ids) for e in episodes}) > 1  # left padding in play
     assert any(e.num_turns >= 2 for e in episodes)  # tokens after a tool result are covered
@@ -227,10 +272,17 @@ def test_rollout_logprobs_match_a_fresh_forward_pass(tokenizer, env: MathEnviron
 
 
 def test_tempered_sampling_logprobs_use_the_scaled_distribution(
-    tokenizer, env: MathEnvironment, warm_model
+    env: MathEnvironment, warm_policy
 ) -> None:
+    warm_model, tokenizer = warm_policy
     episodes = play_episodes(
-        warm_model, tokenizer, env, env.tasks("heldout", 3), temperature=0.7, seed=5, max_new_tokens=24
+        warm_model,
+        tokenizer,
+        env,
+        env.tasks("heldout", 3),
+        temperature=0.7,
+        seed=5,
+        max_new_tokens=24,
     )
     for episode in episodes:
         assert episode.temperature == 0.7
@@ -241,7 +293,8 @@ def test_tempered_sampling_logprobs_use_the_scaled_distribution(
         assert torch.allclose(fresh[sampled], torch.tensor(episode.logprobs)[sampled], atol=1e-4)
 
 
-def test_seeded_rollouts_repeat_and_limits_hold(tokenizer, env: MathEnvironment, warm_model) -> None:
+def test_seeded_rollouts_repeat_and_limits_hold(env: MathEnvironment, warm_policy) -> None:
+    warm_model, tokenizer = warm_policy
     tasks = env.tasks("train", 4)
     first = play_episodes(warm_model, tokenizer, env, tasks, samples_per_task=2, seed=11)
     again = play_episodes(warm_model, tokenizer, env, tasks, samples_per_task=2, seed=11)
@@ -265,7 +318,8 @@ def test_seeded_rollouts_repeat_and_limits_hold(tokenizer, env: MathEnvironment,
         play_episodes(warm_model, tokenizer, env, tasks, temperature=0.0)
 
 
-def test_rollout_restores_training_mode(tokenizer, env: MathEnvironment, warm_model) -> None:
+def test_rollout_restores_training_mode(env: MathEnvironment, warm_policy) -> None:
+    warm_model, tokenizer = warm_policy
     warm_model.train()
     play_episodes(warm_model, tokenizer, env, env.tasks("train", 1), max_new_tokens=2, seed=0)
     assert warm_model.training

@@ -47,7 +47,7 @@ def _mergekit_task_arithmetic(base_dir: Path, deltas: list[dict], work: Path) ->
 
 
 def test_one_round_two_nodes_end_to_end(tmp_path: Path, tiny_base: Path) -> None:
-    train = TrainConfig(steps=2, tasks_per_step=4, samples_per_task=2)
+    train = TrainConfig(steps=2, tasks_per_step=4, samples_per_task=4)
     coordinator_toml, node_tomls, url = write_configs(tmp_path, tiny_base, 2, train, eval_tasks=4)
     logs = tmp_path / "logs"
     logs.mkdir()

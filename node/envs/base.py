@@ -62,7 +62,7 @@ class Environment(ABC):
 
     @abstractmethod
     def tasks(self, split: Split, n: int, seed: int = 0) -> list[Task]:
-        """Return `n` tasks of `split`, the same for the same seed; train and held-out never overlap."""
+        """Return `n` tasks of `split`, the same for the same seed; the splits never overlap."""
 
     @abstractmethod
     def reward(self, task: Task, final_answer: str | None) -> float:

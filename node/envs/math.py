@@ -15,8 +15,15 @@ from decimal import Decimal, localcontext
 from fractions import Fraction
 
 from node.envs import register_environment
-from node.envs.base import Environment, Message, Split, Task, ToolFunction, check_split
-from node.envs.base import split_of_text as _split_of_text
+from node.envs.base import (
+    Environment,
+    Message,
+    Split,
+    Task,
+    ToolFunction,
+    check_split,
+    split_of_text,
+)
 from node.tools import TOOL_ERROR_PREFIX
 
 MAX_EXPRESSION_CHARS = 200
@@ -90,12 +97,16 @@ def _evaluate_node(node: ast.AST) -> Fraction:
             return _check_magnitude(left / right)
         if isinstance(node.op, ast.Pow):
             if right.denominator != 1 or abs(right) > MAX_EXPONENT:
-                raise CalculatorError(f"exponents must be integers from -{MAX_EXPONENT} to {MAX_EXPONENT}")
+                raise CalculatorError(
+                    f"exponents must be integers from -{MAX_EXPONENT} to {MAX_EXPONENT}"
+                )
             if left == 0 and right < 0:
                 raise CalculatorError("division by zero")
             return _check_magnitude(left ** int(right))
         raise CalculatorError(f"unsupported operator {type(node.op).__name__}")
-    raise CalculatorError(f"unsupported syntax {type(node).__name__}; use numbers, + - * / ** and ( )")
+    raise CalculatorError(
+        f"unsupported syntax {type(node).__name__}; use numbers, + - * / ** and ( )"
+    )
 
 
 def evaluate_expression(expression: str) -> Fraction:
@@ -142,7 +153,10 @@ class _Problem:
 def _buy_boxes(rng: random.Random) -> _Problem:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     a, b, c = rng.randint(2, 60), rng.randint(2, 9), rng.randint(2, 12)
-    prompt = f"{name} has {a} {item} and buys {b} boxes of {c} {item}. How many {item} does {name} have now?"
+    prompt = (
+        f"{name} has {a} {item} and buys {b} boxes of {c} {item}. "
+        f"How many {item} does {name} have now?"
+    )
     return _Problem("buy_boxes", prompt, (f"{a}+{b}*{c}",))
 
 
@@ -150,7 +164,10 @@ def _give_away(rng: random.Random) -> _Problem:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     b, c = rng.randint(2, 9), rng.randint(2, 6)
     a = b * c + rng.randint(1, 40)
-    prompt = f"{name} has {a} {item} and gives {b} {item} to each of {c} friends. How many {item} are left?"
+    prompt = (
+        f"{name} has {a} {item} and gives {b} {item} to each of {c} friends. "
+        f"How many {item} are left?"
+    )
     return _Problem("give_away", prompt, (f"{a}-{b}*{c}",))
 
 
@@ -258,7 +275,7 @@ class MathEnvironment(Environment):
             if attempts > 100 * n + 1000:
                 raise RuntimeError(f"could not generate {n} distinct {split} math tasks")
             problem = PROBLEM_TEMPLATES[rng.choice(self.templates)](rng)
-            if problem.prompt in seen or _split_of_text(problem.prompt, HELDOUT_FRACTION) != split:
+            if problem.prompt in seen or split_of_text(problem.prompt, HELDOUT_FRACTION) != split:
                 continue
             seen.add(problem.prompt)
             steps = _run_steps(problem.steps)
@@ -284,7 +301,11 @@ class MathEnvironment(Environment):
         for expression, result in _run_steps(tuple(task.metadata["steps"])):
             call = {"name": calculator.__name__, "arguments": {"expression": expression}}
             messages.append(
-                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"type": "function", "function": call}],
+                }
             )
             messages.append({"role": "tool", "name": calculator.__name__, "content": result})
         messages.append({"role": "assistant", "content": f"<answer>{result}</answer>"})

@@ -1,0 +1,186 @@
+"""Supervised warm start, GRPO-style policy-gradient updates and the synchronous RL loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from node.envs import get_environment
+from node.envs.base import Task
+from node.envs.math import MathEnvironment
+from node.model import (
+    TEMPLATE_FIXED_STRINGS,
+    build_tiny_model,
+    build_tokenizer,
+    render_demonstrations,
+)
+from node.rollout import Episode, play_episodes, tokenize_demonstration
+from node.train import (
+    PolicyGradientTrainer,
+    group_advantages,
+    shared_prefix_length,
+    supervised_warm_start,
+    token_logprobs,
+    train_rl,
+)
+
+
+@pytest.fixture(scope="module")
+def env() -> MathEnvironment:
+    return get_environment("math")  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(env: MathEnvironment):
+    renderer = build_tokenizer(TEMPLATE_FIXED_STRINGS)
+    corpus = list(TEMPLATE_FIXED_STRINGS) + render_demonstrations(renderer, [env], 300, seed=0)
+    return build_tokenizer(corpus)
+
+
+def _sequence_logprob(model, episode: Episode) -> float:
+    ids = torch.tensor([episode.token_ids])
+    with torch.no_grad():
+        logprobs = token_logprobs(model, ids, torch.ones_like(ids), episode.temperature)[0]
+    return float((logprobs * torch.tensor(episode.loss_mask)).sum())
+
+
+def test_supervised_warm_start_trains_only_assistant_tokens(
+    tokenizer, env: MathEnvironment
+) -> None:
+    record = tokenize_demonstration(
+        tokenizer, env.solve(env.tasks("train", 1)[0]), env.tool_schemas()
+    )
+    trained = tokenizer.decode(
+        [t for t, m in zip(record.token_ids, record.loss_mask, strict=True) if m]
+    )
+    assert trained.startswith("<tool_call>") and trained.endswith("</answer><|im_end|>")
+    assert "<tool_response>" not in trained and "<|im_start|>" not in trained
+
+    model = build_tiny_model(tokenizer, seed=0)
+    losses = supervised_warm_start(model, tokenizer, [env], steps=12, batch_size=8, lr=3e-3, seed=0)
+    assert len(losses) == 12 and all(math.isfinite(loss) for loss in losses)
+    assert sum(losses[-3:]) / 3 < 0.5 * losses[0]
+    again = build_tiny_model(tokenizer, seed=0)
+    assert (
+        supervised_warm_start(again, tokenizer, [env], steps=12, batch_size=8, lr=3e-3, seed=0)
+        == losses
+    )
+
+
+def test_shared_prefix_gives_the_same_logprobs_and_gradients(
+    tokenizer, env: MathEnvironment
+) -> None:
+    model = build_tiny_model(tokenizer, seed=2)
+    records = [
+        tokenize_demonstration(tokenizer, env.solve(task), env.tool_schemas())
+        for task in env.tasks("train", 4)
+    ]
+    sequences = [r.token_ids for r in records]
+    masks = [r.loss_mask for r in records]
+    prefix = shared_prefix_length(sequences, masks)
+    assert prefix > 50 and all(not any(m[:prefix]) for m in masks)
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in sequences])
+    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+    results = []
+    for shared in (0, prefix):
+        model.zero_grad()
+        logprobs = token_logprobs(model, ids, attention, 0.8, shared_prefix=shared)
+        (-(logprobs * loss_mask).sum()).backward()
+        results.append((logprobs * loss_mask, [p.grad.clone() for p in model.parameters()]))
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
+    for plain, shared in zip(results[0][1], results[1][1], strict=True):
+        assert torch.allclose(plain, shared, rtol=1e-4, atol=1e-5)
+
+
+def _episode(task_id: str, reward: float) -> Episode:
+    episode = Episode(task=Task(task_id, "p", "1"), sample_index=0, messages=[], temperature=1.0)
+    episode.reward = reward
+    return episode
+
+
+def test_group_advantages_are_normalised_per_task() -> None:
+    episodes = [_episode("a", r) for r in (1.0, 0.0, 0.0, 1.0)] + [
+        _episode("b", r) for r in (1.0, 1.0)
+    ]
+    advantages = group_advantages(episodes)
+    assert advantages[:4] == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    assert advantages[4:] == [0.0, 0.0]
+    lone = group_advantages([_episode("c", 1.0), _episode("c", 0.0), _episode("c", 0.0)])
+    assert sum(lone) == pytest.approx(0.0, abs=1e-9) and lone[0] > 0 > lone[1]
+
+
+def test_policy_gradient_step_moves_toward_rewarded_episodes(
+    tokenizer, env: MathEnvironment
+) -> None:
+    model = build_tiny_model(tokenizer, seed=1)
+    tasks = env.tasks("train", 3)
+    episodes = play_episodes(
+        model, tokenizer, env, tasks, samples_per_task=4, seed=0, max_new_tokens=12
+    )
+    for index, episode in enumerate(episodes):  # rewards set by hand: half of each group wins
+        episode.reward = float(index % 2)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    logprob_before = [_sequence_logprob(model, e) for e in episodes]
+    trainer = PolicyGradientTrainer(model, tokenizer, lr=1e-3, micro_batch_size=5)
+    metrics = trainer.step(episodes)
+    assert metrics["skipped"] == 0.0 and trainer.updates == 1
+    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    assert metrics["trained_episodes"] == 12
+    assert metrics["trained_tokens"] == sum(e.num_sampled_tokens for e in episodes)
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy data
+    assert metrics["clip_fraction"] == 0.0
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    change = [
+        _sequence_logprob(model, e) - b for e, b in zip(episodes, logprob_before, strict=True)
+    ]
+    winners = sum(c for i, c in enumerate(change) if i % 2) / 6
+    losers = sum(c for i, c in enumerate(change) if not i % 2) / 6
+    assert winners > losers
+
+
+def test_stale_ratios_are_clipped(tokenizer, env: MathEnvironment) -> None:
+    model = build_tiny_model(tokenizer, seed=1)
+    episodes = play_episodes(
+        model, tokenizer, env, env.tasks("train", 2), samples_per_task=2, seed=0, max_new_tokens=8
+    )
+    for index, episode in enumerate(episodes):
+        episode.reward = float(index % 2)
+        sampled = [i for i, m in enumerate(episode.loss_mask) if m]
+        for i in sampled:  # pretend the behaviour policy was much less likely to pick these tokens
+            episode.tokens.logprobs[i] -= 1.0
+    metrics = PolicyGradientTrainer(model, tokenizer, clip_high=0.2).step(episodes)
+    assert metrics["ratio_mean"] > 2.0
+    assert 0.4 < metrics["clip_fraction"] <= 1.0
+
+
+def test_step_without_reward_variance_is_skipped(tokenizer, env: MathEnvironment) -> None:
+    model = build_tiny_model(tokenizer, seed=1)
+    episodes = play_episodes(
+        model, tokenizer, env, env.tasks("train", 2), samples_per_task=2, seed=0, max_new_tokens=4
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = PolicyGradientTrainer(model, tokenizer)
+    metrics = trainer.step(episodes)
+    assert metrics["skipped"] == 1.0 and trainer.updates == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_train_rl_reports_each_step(tokenizer, env: MathEnvironment) -> None:
+    model = build_tiny_model(tokenizer, seed=0)
+    supervised_warm_start(model, tokenizer, [env], steps=20, batch_size=8, lr=3e-3, seed=0)
+    seen: list[dict[str, float]] = []
+    history = train_rl(
+        model, tokenizer, env, steps=2, tasks_per_step=2, samples_per_task=3, seed=0,
+        on_step=seen.append, max_new_tokens=40,
+    )  # fmt: skip
+    assert history == seen and [h["step"] for h in history] == [0.0, 1.0]
+    for metrics in history:
+        assert metrics["episodes"] == 6
+        assert 0.0 <= metrics["success_rate"] <= 1.0
+        assert metrics["tool_calls_mean"] >= 0.0
+        assert metrics["skipped"] in (0.0, 1.0) and math.isfinite(metrics["loss"])
+        assert metrics["step_seconds"] >= metrics["rollout_seconds"] > 0
