@@ -55,6 +55,7 @@ class CoordinatorConfig(BaseModel):
         default_factory=list, description="PeerIDs whose deltas are accepted; empty: anyone"
     )
     max_blob_bytes: int = Field(default=8 << 30, ge=1)
+    accept_lossy: bool = Field(default=False, description="accept int8 (lossy) deltas")
     torch_threads: int = Field(default=1, ge=1)
     merge: MergeSpec = Field(default_factory=MergeSpec)
     round: RoundPolicy = Field(default_factory=RoundPolicy)

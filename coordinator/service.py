@@ -15,20 +15,17 @@ import queue
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from sqlalchemy import select
 
 from coordinator.config import CoordinatorConfig
 from coordinator.registry import CheckpointInfo, Registry
 from coordinator.store import CheckpointRecord, CoordinatorStore, DeltaRecord, RoundRecord, utcnow
-from merge.streaming import TaskVector, iter_base_tensors, merge_checkpoint
+from merge.streaming import CheckpointTensors, TaskVector, merge_checkpoint
 from protocol.blobstore import BlobStore
-from protocol.delta import DeltaError, DeltaReader
+from protocol.delta import DTYPE_NAMES, DeltaError, DeltaReader
 from protocol.host import BlobFetchError, SwarmHost
 from protocol.identity import load_or_create_identity
 from protocol.manifest import DeltaManifest, ManifestError, SignedManifest
@@ -46,13 +43,6 @@ log = logging.getLogger(__name__)
 
 class DeltaRejected(Exception):
     """A delta failed a check; the message is the reason kept on record."""
-
-
-@dataclass(frozen=True)
-class BaseShapes:
-    """Name → (shape, is floating) of the current base, for validating deltas."""
-
-    shapes: dict[str, tuple[tuple[int, ...], bool]]
 
 
 class Coordinator:
@@ -76,7 +66,7 @@ class Coordinator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.RLock()
-        self._base_shapes: dict[str, BaseShapes] = {}
+        self._base_tensors: dict[str, CheckpointTensors] = {}
 
     # lifecycle -----------------------------------------------------------------------------
 
@@ -164,6 +154,12 @@ class Coordinator:
             with self.store.session() as s:
                 existing = s.get(DeltaRecord, delta_id)
                 if existing is not None:
+                    log.info(
+                        "ignored repeated announcement of delta %s (%s in round %s)",
+                        delta_id[:12],
+                        existing.status,
+                        existing.round,
+                    )
                     return existing
             try:
                 manifest = signed.verify(announcing_peer=from_peer)
@@ -240,29 +236,31 @@ class Coordinator:
             raise DeltaRejected(f"delta of {total} bytes exceeds {self.config.max_blob_bytes}")
 
     def _fetch_and_validate(self, from_peer: str, manifest: DeltaManifest) -> None:
+        if manifest.lossy and not self.config.accept_lossy:
+            raise DeltaRejected("lossy (int8) deltas are not accepted by this coordinator")
+        base = self._tensors_of(manifest.base_id)
+        for name, entry in manifest.tensors.items():  # everything checkable before fetching
+            if name not in base.meta:
+                raise DeltaRejected(f"tensor {name} is not in the base")
+            dtype, shape = base.meta[name]
+            if entry.shape != shape:
+                raise DeltaRejected(f"{name}: shape {entry.shape} != base {shape}")
+            if DTYPE_NAMES.get(dtype) != entry.dtype:
+                raise DeltaRejected(f"{name}: dtype {entry.dtype} != base {dtype}")
         for sha, size in manifest.blobs.items():
             self.host.fetch_blob(from_peer, sha, size)
-        shapes = self._shapes_of(manifest.base_id)
         reader = DeltaReader(manifest, self.blobs)
         for name in reader.names():
-            if name not in shapes.shapes:
-                raise DeltaRejected(f"tensor {name} is not in the base")
-            shape, floating = shapes.shapes[name]
-            if not floating:
-                raise DeltaRejected(f"tensor {name} is not a floating-point weight")
-            tensor = reader.get(name)
-            if tuple(tensor.shape) != shape:
-                raise DeltaRejected(f"{name}: shape {tuple(tensor.shape)} != base {shape}")
-            if not bool(tensor.isfinite().all()):
+            tuned = reader.expert(name, base.get(name))
+            assert tuned is not None
+            if not bool(tuned.isfinite().all()):
                 raise DeltaRejected(f"{name}: delta holds NaN or Inf")
 
-    def _shapes_of(self, checkpoint_id: str) -> BaseShapes:
-        if checkpoint_id not in self._base_shapes:
+    def _tensors_of(self, checkpoint_id: str) -> CheckpointTensors:
+        if checkpoint_id not in self._base_tensors:
             folder = self._folder(self.registry.get(checkpoint_id))
-            self._base_shapes[checkpoint_id] = BaseShapes(
-                {n: (tuple(t.shape), t.is_floating_point()) for n, t in iter_base_tensors(folder)}
-            )
-        return self._base_shapes[checkpoint_id]
+            self._base_tensors[checkpoint_id] = CheckpointTensors(folder)
+        return self._base_tensors[checkpoint_id]
 
     def _folder(self, info: CheckpointInfo) -> Path:
         return self.registry.checkpoint_dir(info)
@@ -309,7 +307,7 @@ class Coordinator:
         for record in accepted:
             assert record.manifest is not None
             reader = DeltaReader(DeltaManifest.decode(record.manifest), self.blobs)
-            experts.append(TaskVector(name=record.id[:16], get=_getter(reader)))
+            experts.append(TaskVector(name=record.id[:16], expert=reader.expert))
         log.info("round %d: merging %d deltas by %s", current.number, len(experts), spec.method)
         tmp = Path(tempfile.mkdtemp(prefix="merge-", dir=self.config.work_dir))
         try:
@@ -403,15 +401,6 @@ def record_id(signed: SignedManifest, from_peer: str) -> str:
     if claimed == from_peer:
         return signed.manifest_id
     return hashlib.sha256(f"{signed.manifest_id}:{from_peer}".encode()).hexdigest()
-
-
-def _getter(reader: DeltaReader) -> Callable[[str], torch.Tensor | None]:
-    names = set(reader.names())
-
-    def get(name: str) -> torch.Tensor | None:
-        return reader.get(name) if name in names else None
-
-    return get
 
 
 def _finite(value: float) -> float | None:

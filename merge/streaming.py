@@ -43,13 +43,14 @@ class MergeError(RuntimeError):
 
 @dataclass(frozen=True)
 class TaskVector:
-    """One expert's delta against the base: a name for mergekit and a per-tensor getter.
+    """One expert: a name for mergekit and a per-tensor getter of the expert's weights.
 
-    `get(name)` returns the float delta for a tensor, or None when the expert left it unchanged.
+    `expert(name, base_tensor)` returns the expert's tensor (same shape as the base), or None when
+    the expert left it unchanged. The task vector is that tensor minus the base.
     """
 
     name: str
-    get: Callable[[str], torch.Tensor | None]
+    expert: Callable[[str, torch.Tensor], torch.Tensor | None]
 
 
 def weight_files(checkpoint: Path) -> list[str]:
@@ -117,8 +118,9 @@ def merge_checkpoint(
 ) -> Path:
     """Merge base + experts' task vectors into a new Hugging Face folder at `out_dir`.
 
-    Each expert's model is base + its delta (computed in spec.dtype); mergekit's method then merges
-    base and experts tensor by tensor. Other files (config, tokenizer…) are copied from the base.
+    Each expert's tensors come from its getter; mergekit's method merges base and experts tensor
+    by tensor, computing in spec.dtype and writing the base's dtype. Other files (config,
+    tokenizer…) are copied from the base.
     """
     if not experts:
         raise MergeError("a merge needs at least one task vector")
@@ -178,16 +180,16 @@ def _merge_one(
         return base
     inputs = [base]
     for expert in experts:
-        delta = expert.get(key)
-        if delta is None:
+        tensor = expert.expert(key, base)
+        if tensor is None:
             inputs.append(base)
             continue
-        if delta.shape != base.shape:
+        if tensor.shape != base.shape:
             raise MergeError(
-                f"{expert.name}: delta for {key} has shape {tuple(delta.shape)}, "
+                f"{expert.name}: tensor {key} has shape {tuple(tensor.shape)}, "
                 f"base has {tuple(base.shape)}"
             )
-        inputs.append((base.to(compute) + delta.to(compute)).to(compute))
+        inputs.append(tensor)
     from mergekit.merge_methods import merge_tensors
 
     if not with_base:
@@ -217,6 +219,28 @@ def _dtype_from_st(name: str) -> torch.dtype:
         if st == name:
             return dtype
     raise MergeError(f"unsupported safetensors dtype {name}")
+
+
+class CheckpointTensors:
+    """Random access to a checkpoint's tensors by name, one tensor read at a time (mmap)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self._where: dict[str, str] = {}
+        self.meta: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for fname in weight_files(self.folder):
+            with safe_open(self.folder / fname, framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    self._where[key] = fname
+                    self.meta[key] = (_dtype_from_st(sl.get_dtype()), tuple(sl.get_shape()))
+
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(self.folder / self._where[name], framework="pt") as f:
+            return f.get_tensor(name)
 
 
 def iter_base_tensors(base_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:

@@ -11,13 +11,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from merge.streaming import iter_base_tensors
 from node.config import NodeConfig
 from protocol.blobstore import BlobStore
-from protocol.delta import compute_delta, pack_delta
+from protocol.delta import pack_delta
 from protocol.host import SwarmHost
 from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
 from protocol.manifest import SignedManifest, sign_manifest
@@ -175,11 +176,11 @@ class NodeDaemon:
         )
         base = dict(iter_base_tensors(base_dir))
         state = model.state_dict()
-        delta = compute_delta(base, {name: state[name] for name in base})
         last = history[-1] if history else {}
         metrics = {k: float(v) for k, v in last.items() if isinstance(v, int | float)}
         manifest = pack_delta(
-            delta,
+            base,
+            {name: state[name] for name in base},
             self.blobs,
             peer_id=self.peer_id,
             public_key=public_key_bytes(self.key_pair),
@@ -190,6 +191,14 @@ class NodeDaemon:
             metrics=metrics,
         )
         signed = sign_manifest(manifest, self.key_pair)
+        self._keep_manifest(signed)
+        log.info(
+            "round=%d delta %s: %d tensors changed, %d bytes",
+            number,
+            signed.manifest_id[:12],
+            len(manifest.tensors),
+            sum(manifest.blobs.values()),
+        )
         for sha in manifest.blobs:
             self.host.serve_blob(sha)
         record = self._announce_until_recorded(signed)
@@ -207,6 +216,18 @@ class NodeDaemon:
             next_base,
             metrics,
         )
+
+    def _keep_manifest(self, signed: SignedManifest) -> Path:
+        """Keep the signed manifest beside the blobs: the node's own record of what it published."""
+        folder = self.config.work_dir / "deltas"
+        folder.mkdir(exist_ok=True)
+        path = folder / f"{signed.manifest_id}.msgpack"
+        path.write_bytes(
+            encode_message(
+                DeltaAnnounced(manifest_bytes=signed.manifest_bytes, signature=signed.signature)
+            )
+        )
+        return path
 
     def _announce_until_recorded(self, signed: SignedManifest) -> dict:
         """Announce on gossip, again every few seconds, until the coordinator records a verdict."""

@@ -25,17 +25,19 @@ class ManifestError(ValueError):
 
 
 class TensorEntry(BaseModel):
-    """Where one tensor's delta lives: a byte range of a blob, and how it is encoded."""
+    """Where one tensor's change lives (a byte range of a blob) and how it is encoded."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     blob: str = Field(pattern=r"^[0-9a-f]{64}$")
     offset: int = Field(ge=0)
     length: int = Field(ge=0)
-    encoding: Literal["dense"] = "dense"
-    dtype: str = Field(max_length=16)
-    shape: tuple[int, ...]
-    key: str = Field(max_length=512, description="tensor name inside the safetensors blob")
+    encoding: Literal["dense", "sparse", "int8"]
+    dtype: Literal["F32", "BF16", "F16"]
+    shape: tuple[int, ...] = Field(max_length=8)
+    nnz: int = Field(default=0, ge=0, description="changed elements (sparse)")
+    index_bytes: int = Field(default=0, ge=0, description="compressed index length (sparse)")
+    scale: float | None = Field(default=None, description="quantisation step (int8, lossy)")
 
 
 class DeltaManifest(BaseModel):
@@ -52,14 +54,13 @@ class DeltaManifest(BaseModel):
     steps: int = Field(ge=0)
     created_at: str = Field(max_length=64)
     metrics: dict[str, float] = Field(default_factory=dict)
+    lossy: bool = Field(default=False, description="true if any tensor is not rebuilt exactly")
     blobs: dict[str, int] = Field(description="blob sha256 -> size in bytes")
     tensors: dict[str, TensorEntry]
 
     def encode(self) -> bytes:
         """Canonical msgpack bytes (sorted keys) of this manifest."""
         data = self.model_dump(by_alias=True, mode="python")
-        data["tensors"] = {k: dict(sorted(v.items())) for k, v in data["tensors"].items()}
-        data["tensors"] = {k: {**v, "shape": list(v["shape"])} for k, v in data["tensors"].items()}
         return msgpack.packb(_sorted(data), use_bin_type=True)
 
     @classmethod
@@ -76,6 +77,8 @@ class DeltaManifest(BaseModel):
                 raise ManifestError(f"tensor {name} points at blob {entry.blob[:12]} not listed")
             if entry.offset + entry.length > manifest.blobs[entry.blob]:
                 raise ManifestError(f"tensor {name} lies outside blob {entry.blob[:12]}")
+            if entry.encoding == "int8" and not manifest.lossy:
+                raise ManifestError(f"tensor {name} is int8-encoded but the manifest is not lossy")
         return manifest
 
 

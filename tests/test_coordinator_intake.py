@@ -14,7 +14,7 @@ from coordinator.service import Coordinator, record_id
 from coordinator.store import DeltaRecord
 from merge.streaming import iter_base_tensors
 from protocol.blobstore import BlobStore
-from protocol.delta import compute_delta, pack_delta
+from protocol.delta import pack_delta
 from protocol.host import SwarmHost
 from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
 from protocol.manifest import SignedManifest, sign_manifest
@@ -49,7 +49,8 @@ def _delta_for(key, store: BlobStore, base_dir: Path, base_id: str, scale: float
     gen = torch.Generator().manual_seed(1)
     tuned = {n: t + scale * torch.randn(t.shape, generator=gen) for n, t in base.items()}
     return pack_delta(
-        compute_delta(base, tuned),
+        base,
+        tuned,
         store,
         peer_id=peer_id_of(key),
         public_key=public_key_bytes(key),
@@ -151,10 +152,11 @@ def test_delta_against_wrong_base_or_with_nan_refused(tmp_path, coordinator):
         assert record.status == "rejected" and "not the current base" in record.reason
 
         tensors = dict(iter_base_tensors(base_dir))
-        poisoned = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        poisoned = {n: t.clone() for n, t in tensors.items()}
         first = next(iter(poisoned))
         poisoned[first].view(-1)[0] = float("nan")
         manifest = pack_delta(
+            tensors,
             poisoned,
             store,
             peer_id=peer_id_of(key),
@@ -172,3 +174,51 @@ def test_delta_against_wrong_base_or_with_nan_refused(tmp_path, coordinator):
         assert record.status == "rejected" and "NaN" in record.reason
     finally:
         peer.stop()
+
+
+def test_replayed_manifest_from_an_earlier_round_is_refused(tmp_path, tiny_base):
+    config = CoordinatorConfig(
+        work_dir=tmp_path / "coord",
+        p2p_port=0,
+        base_checkpoint=tiny_base,
+        round=RoundPolicy(min_deltas=1),
+        eval=EvalConfig(n_tasks=2),
+    )
+    c = Coordinator(config)
+    c.start()
+    key, store, peer = _peer(tmp_path, "carol", c.config.topic)
+    try:
+        peer.connect(c.host.listen_addrs[0])
+        peer.wait_for_peers_in_topic(1, timeout=30)
+        base = c.current_base()
+        manifest = _delta_for(key, store, c.registry.checkpoint_dir(base), base.id)
+        for sha in manifest.blobs:
+            peer.serve_blob(sha)
+        signed = sign_manifest(manifest, key)
+        _announce(peer, signed)
+        assert _wait_record(c, signed.manifest_id).status in ("accepted", "merged")
+        deadline = time.monotonic() + 60
+        while c.current_round().number != 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.current_round().number == 2  # round 1 merged and published
+        with c.store.session() as s:
+            assert s.get(DeltaRecord, signed.manifest_id).status == "merged"
+
+        # The same signed manifest announced again in round 2: nothing new is recorded or merged.
+        _announce(peer, signed)
+        # A fresh manifest of the same node still naming round 1 and the old base: refused.
+        stale = sign_manifest(
+            _delta_for(key, store, c.registry.checkpoint_dir(base), base.id, 5e-3), key
+        )
+        _announce(peer, stale)
+        record = _wait_record(c, stale.manifest_id)
+        assert record.status == "rejected"
+        assert "not the current base" in record.reason
+        with c.store.session() as s:
+            rows = s.query(DeltaRecord).all()
+            assert sorted(r.status for r in rows) == ["merged", "rejected"]
+        assert [i.round for i in c.registry.list()] == [0, 1]
+        assert c.current_round().status == "open"
+    finally:
+        peer.stop()
+        c.stop()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from protocol.blobstore import BlobStore
-from protocol.delta import DeltaError, DeltaReader, compute_delta, pack_delta
+from protocol.delta import DeltaError, DeltaReader, pack_delta
 from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
 from protocol.manifest import DeltaManifest, ManifestError, SignedManifest, sign_manifest
 from protocol.messages import (
@@ -32,12 +32,13 @@ def keys(tmp_path: Path):
 
 def _delta(tmp_path: Path, key_pair, round: int = 1) -> tuple[DeltaManifest, BlobStore, dict]:
     torch.manual_seed(0)
-    base = {"w": torch.randn(4, 3), "b": torch.randn(3)}
-    tuned = {"w": base["w"] + 0.5, "b": base["b"].clone()}
-    delta = compute_delta(base, tuned)
+    base = {"w": torch.randn(4, 3), "b": torch.randn(64), "same": torch.randn(5)}
+    tuned = {"w": base["w"] + 0.5, "b": base["b"].clone(), "same": base["same"].clone()}
+    tuned["b"][1] += 1.0
     store = BlobStore(tmp_path / "blobs")
     manifest = pack_delta(
-        delta,
+        base,
+        tuned,
         store,
         peer_id=peer_id_of(key_pair),
         public_key=public_key_bytes(key_pair),
@@ -47,20 +48,27 @@ def _delta(tmp_path: Path, key_pair, round: int = 1) -> tuple[DeltaManifest, Blo
         steps=3,
         metrics={"reward_mean": 0.25},
     )
-    return manifest, store, delta
+    return manifest, store, {"base": base, "tuned": tuned}
 
 
 def test_delta_roundtrip_and_signature(tmp_path, keys):
     a, _ = keys
-    manifest, store, delta = _delta(tmp_path, a)
+    manifest, store, weights = _delta(tmp_path, a)
     signed = sign_manifest(manifest, a)
     verified = signed.verify(announcing_peer=peer_id_of(a))
     assert verified == manifest
     assert DeltaManifest.decode(manifest.encode()).encode() == manifest.encode()
     reader = DeltaReader(verified, store)
-    for name, tensor in reader.items():
-        assert torch.equal(tensor, delta[name])
-    assert reader.manifest.tensors["w"].shape == (4, 3)
+    assert reader.names() == ["b", "w"]  # the unchanged tensor is left out
+    assert manifest.tensors["w"].encoding == "dense"  # every element changed
+    assert manifest.tensors["b"].encoding == "sparse" and manifest.tensors["b"].nnz == 1
+    for name, base in weights["base"].items():
+        rebuilt = reader.expert(name, base)
+        if name == "same":
+            assert rebuilt is None
+        else:
+            assert torch.equal(rebuilt, weights["tuned"][name])
+    assert torch.allclose(reader.delta("w", weights["base"]["w"]), torch.full((4, 3), 0.5))
 
 
 def test_tampered_manifest_fails(tmp_path, keys):
@@ -104,15 +112,21 @@ def test_manifest_bounds(tmp_path, keys):
 
 def test_reader_refuses_mismatched_shape(tmp_path, keys):
     a, _ = keys
-    manifest, store, _ = _delta(tmp_path, a)
-    entry = manifest.tensors["w"]
-    lying = manifest.model_copy(
-        update={"tensors": {**manifest.tensors, "w": entry.model_copy(update={"shape": (3, 4)})}}
-    )
-    with pytest.raises(DeltaError, match="manifest says"):
-        DeltaReader(lying, store).get("w")
+    manifest, store, weights = _delta(tmp_path, a)
+    with pytest.raises(DeltaError, match="does not match base"):
+        DeltaReader(manifest, store).expert("w", torch.zeros(3, 4))
     with pytest.raises(DeltaError, match="different tensors"):
-        compute_delta({"x": torch.zeros(1)}, {"y": torch.zeros(1)})
+        pack_delta(
+            {"x": torch.zeros(1)},
+            {"y": torch.zeros(1)},
+            store,
+            peer_id="p",
+            public_key=b"",
+            domain="math",
+            base_id=BASE_ID,
+            round=1,
+            steps=1,
+        )
 
 
 def test_gossip_messages(tmp_path, keys):

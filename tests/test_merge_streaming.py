@@ -91,7 +91,9 @@ def test_streaming_merge_equals_mergekit_run_merge(merge_inputs, tmp_path, metho
     base_dir, experts, deltas = merge_inputs
     reference = _mergekit_reference(base_dir, experts, method, params, tmp_path / "ref")
     spec = MergeSpec(method=method, parameters=params)
-    vectors = [TaskVector(name=f"e{i}", get=lambda n, d=d: d.get(n)) for i, d in enumerate(deltas)]
+    vectors = [
+        TaskVector(name=f"e{i}", expert=lambda n, b, d=d: b + d[n]) for i, d in enumerate(deltas)
+    ]
     out = merge_checkpoint(base_dir, vectors, tmp_path / "ours", spec)
     ours = load_file(out / "model.safetensors")
     assert (out / "config.json").exists()
@@ -115,7 +117,7 @@ def test_unknown_method_and_bad_inputs_refused(merge_inputs, tmp_path):
         MergeSpec(method="averaging-by-vibes")
     with pytest.raises(MergeError, match="at least one"):
         merge_checkpoint(base_dir, [], tmp_path / "x", MergeSpec())
-    wrong = TaskVector(name="bad", get=lambda n: torch.zeros(3))
+    wrong = TaskVector(name="bad", expert=lambda n, b: torch.zeros(3))
     with pytest.raises(MergeError, match="shape"):
         merge_checkpoint(base_dir, [wrong], tmp_path / "y", MergeSpec())
 

@@ -13,25 +13,30 @@ from safetensors.torch import load_file, save_file
 from merge.streaming import iter_base_tensors
 from node.config import TrainConfig
 from protocol.blobstore import BlobStore
+from protocol.delta import DeltaReader
+from protocol.messages import decode_message
 from protocol.pull import pull
 from skillswarm.demo import spawn, stop_all, wait_http, write_configs
 
 
-def _mergekit_task_arithmetic(base_dir: Path, deltas: list[dict], work: Path) -> dict:
+def _node_expert(node_dir: Path, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The node's tuned weights, rebuilt from the delta it published (its kept signed manifest)."""
+    (kept,) = list((node_dir / "deltas").glob("*.msgpack"))
+    announced = decode_message(kept.read_bytes())
+    reader = DeltaReader(announced.signed.verify(), BlobStore(node_dir / "blobs"))
+    return {n: t if (e := reader.expert(n, t)) is None else e for n, t in base.items()}
+
+
+def _mergekit_task_arithmetic(base_dir: Path, experts: list[dict], work: Path) -> dict:
     from mergekit.config import MergeConfiguration
     from mergekit.merge import MergeOptions, run_merge
 
-    base = dict(iter_base_tensors(base_dir))
     models = []
-    for i, delta in enumerate(deltas):
+    for i, tensors in enumerate(experts):
         expert = work / f"expert{i}"
         expert.mkdir(parents=True)
         (expert / "config.json").write_text((base_dir / "config.json").read_text())
-        save_file(
-            {n: base[n] + delta[n] for n in base},
-            expert / "model.safetensors",
-            metadata={"format": "pt"},
-        )
+        save_file(tensors, expert / "model.safetensors", metadata={"format": "pt"})
         models.append({"model": str(expert), "parameters": {"weight": 1.0}})
     config = MergeConfiguration.model_validate(
         {
@@ -92,17 +97,14 @@ def test_one_round_two_nodes_end_to_end(tmp_path: Path, tiny_base: Path) -> None
     finally:
         stop_all(processes)
 
-    node_deltas = []
-    for i in range(2):
-        store = BlobStore(tmp_path / f"node-{i}" / "blobs")
-        (blob,) = list(store.blob_ids())
-        node_deltas.append(load_file(store.path(blob)))
-    expected = _mergekit_task_arithmetic(tiny_base, node_deltas, tmp_path / "reference")
+    base = dict(iter_base_tensors(tiny_base))
+    experts = [_node_expert(tmp_path / f"node-{i}", base) for i in range(2)]
+    assert any(not torch.equal(experts[0][n], base[n]) for n in base)  # training moved weights
+    expected = _mergekit_task_arithmetic(tiny_base, experts, tmp_path / "reference")
     merged = load_file(pulled / "model.safetensors")
     assert set(merged) == set(expected)
     for name, tensor in merged.items():
         assert torch.equal(tensor, expected[name]), name
-    assert any(bool(d.abs().sum() > 0) for delta in node_deltas for d in delta.values())
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
