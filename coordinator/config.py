@@ -56,6 +56,9 @@ class CoordinatorConfig(BaseModel):
     )
     max_blob_bytes: int = Field(default=8 << 30, ge=1)
     accept_lossy: bool = Field(default=False, description="accept int8 (lossy) deltas")
+    keep_rounds: int = Field(
+        default=2, ge=1, description="rounds whose delta blobs stay on disk after merging"
+    )
     torch_threads: int = Field(default=1, ge=1)
     merge: MergeSpec = Field(default_factory=MergeSpec)
     round: RoundPolicy = Field(default_factory=RoundPolicy)

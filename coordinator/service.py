@@ -70,9 +70,13 @@ class Coordinator:
 
     # lifecycle -----------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def prepare(self) -> None:
+        """Publish the base as round 0 if the registry is empty; make sure a round is open."""
         self._ensure_base()
         self._ensure_open_round()
+
+    def start(self) -> None:
+        self.prepare()
         self.host.start()
         log.info("coordinator peer %s listening on %s", self.host.peer_id, self.host.listen_addrs)
         self._thread = threading.Thread(target=self._intake_loop, name="delta-intake", daemon=True)
@@ -355,7 +359,26 @@ class Coordinator:
             s.add(RoundRecord(number=current.number + 1, base_id=info.id, status="open"))
         log.info("round %d published checkpoint %s", current.number, info.id[:12])
         self._announce_checkpoint(info, current.number, base.id)
+        self.collect_garbage()
         return info
+
+    def collect_garbage(self) -> int:
+        """Delete delta blobs of rounds older than `keep_rounds`; returns blobs removed."""
+        oldest_kept = self.current_round().number - self.config.keep_rounds
+        keep: set[str] = set()
+        with self.store.session() as s:
+            rows = s.scalars(
+                select(DeltaRecord)
+                .where(DeltaRecord.manifest.is_not(None))
+                .where(DeltaRecord.round >= oldest_kept)
+            )
+            for row in rows:
+                assert row.manifest is not None
+                keep.update(DeltaManifest.decode(row.manifest).blobs)
+        removed = self.blobs.gc(keep)
+        if removed:
+            log.info("removed %d delta blobs of rounds before %d", removed, oldest_kept)
+        return removed
 
     def evaluate(self, checkpoints: dict[str, Path]) -> dict[str, Any]:
         """Held-out scores of each named checkpoint on every configured domain."""

@@ -8,6 +8,7 @@ gossip and serve it until the coordinator has it, then wait for the merged check
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -138,6 +139,7 @@ class NodeDaemon:
         assert self.host is not None
         number, base_id, revision = info["round"], info["base_id"], info["base_revision"]
         base_dir = self.config.work_dir / "checkpoints" / revision
+        self._collect_garbage(keep_checkpoint=revision)
         log.info("round=%d pulling base %s", number, base_id[:12])
         pull(
             self.config.coordinator_url, revision, base_dir, repo_id=info["repo_id"], progress=False
@@ -216,6 +218,17 @@ class NodeDaemon:
             next_base,
             metrics,
         )
+
+    def _collect_garbage(self, keep_checkpoint: str) -> None:
+        """A new round starts: earlier deltas were merged, earlier bases are superseded."""
+        removed = self.blobs.gc(keep=set())
+        checkpoints = self.config.work_dir / "checkpoints"
+        if checkpoints.is_dir():
+            for folder in checkpoints.iterdir():
+                if folder.is_dir() and folder.name != keep_checkpoint:
+                    shutil.rmtree(folder, ignore_errors=True)
+        if removed:
+            log.info("removed %d blobs of earlier rounds", removed)
 
     def _keep_manifest(self, signed: SignedManifest) -> Path:
         """Keep the signed manifest beside the blobs: the node's own record of what it published."""

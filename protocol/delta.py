@@ -1,10 +1,10 @@
 """Weight deltas: what a node changed against its base, packed into one blob, rebuilt bit-exactly.
 
 Per tensor, the tuned weights are cast to the base's dtype and compared bit for bit. Unchanged
-tensors are left out. A changed tensor is stored `sparse` (zlib-compressed gaps between changed
-indices, then the new bit patterns at those indices) or `dense` (all new bit patterns), whichever is
-smaller; both rebuild the tuned tensor exactly. `int8` (a scaled, rounded difference) is lossy, off
-by default, and marks the whole manifest lossy.
+tensors are left out. A changed tensor is stored `sparse` (the gaps between changed indices, then
+the XOR of new and old bit patterns there, each byte-shuffled and deflated) or `dense` (all new
+bit patterns), whichever is smaller; both rebuild the tuned tensor exactly. `int8` (a scaled,
+rounded difference) is lossy, off by default, and marks the whole manifest lossy.
 """
 
 from __future__ import annotations
@@ -44,6 +44,26 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(_BITS[tensor.element_size()]).reshape(-1)
 
 
+def _pack(array: np.ndarray) -> bytes:
+    """Byte-shuffle (all first bytes, then all second bytes…) and deflate."""
+    planes = array.view(np.uint8).reshape(-1, array.itemsize).T
+    return zlib.compress(np.ascontiguousarray(planes).tobytes(), 6)
+
+
+def _unpack(data: bytes, count: int, dtype: np.dtype, what: str) -> np.ndarray:
+    """Inverse of _pack, refusing anything that does not inflate to exactly `count` items."""
+    expected = count * dtype.itemsize
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(data, expected)
+    except zlib.error as exc:
+        raise DeltaError(f"sparse {what} does not inflate: {exc}") from exc
+    if len(raw) != expected or not inflater.eof or inflater.unconsumed_tail:
+        raise DeltaError(f"sparse {what} inflates to the wrong size")
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(dtype.itemsize, count)
+    return np.ascontiguousarray(planes.T).view(dtype).reshape(-1)
+
+
 def encode_tensor(
     base: torch.Tensor, tuned: torch.Tensor, lossy_int8: bool = False
 ) -> EncodedTensor | None:
@@ -65,9 +85,8 @@ def encode_tensor(
     dense = tuned_bits.numpy().tobytes()
     if base.numel() <= MAX_SPARSE_NUMEL:
         idx = changed.numpy()
-        gaps = np.diff(idx, prepend=-1).astype(np.uint32)
-        index = zlib.compress(gaps.tobytes(), 6)
-        values = tuned_bits[changed].numpy().tobytes()
+        index = _pack(np.diff(idx, prepend=-1).astype(np.uint32))
+        values = _pack((tuned_bits[changed] ^ base_bits[changed]).numpy())
         if len(index) + len(values) < len(dense):
             return EncodedTensor(
                 "sparse", index + values, nnz=int(idx.size), index_bytes=len(index)
@@ -98,24 +117,18 @@ def decode_tensor(entry: TensorEntry, payload: bytes, base: torch.Tensor) -> tor
         return (base.float() + q.float() * entry.scale).to(dtype)
     # sparse
     nnz, index_bytes = entry.nnz, entry.index_bytes
-    if not 0 < nnz <= numel or index_bytes + nnz * size != entry.length:
+    if not 0 < nnz <= numel or not 0 < index_bytes < entry.length:
         raise DeltaError(f"sparse entry with nnz={nnz} does not fit {entry.length} bytes")
-    inflater = zlib.decompressobj()
-    try:
-        raw = inflater.decompress(payload[:index_bytes], nnz * 4)
-    except zlib.error as exc:
-        raise DeltaError(f"sparse index does not inflate: {exc}") from exc
-    if len(raw) != nnz * 4 or not inflater.eof or inflater.unconsumed_tail:
-        raise DeltaError("sparse index inflates to the wrong size")
-    gaps = np.frombuffer(raw, dtype=np.uint32).astype(np.int64)
+    gaps = _unpack(payload[:index_bytes], nnz, np.dtype(np.uint32), "index").astype(np.int64)
     if gaps.min() < 1:
         raise DeltaError("sparse index is not strictly increasing")
     idx = np.cumsum(gaps) - 1
     if idx[-1] >= numel:
         raise DeltaError(f"sparse index {idx[-1]} out of range for {numel} elements")
-    values = torch.frombuffer(bytearray(payload[index_bytes:]), dtype=bits_dtype)
+    values = _unpack(payload[index_bytes:], nnz, np.dtype(f"<i{size}"), "values")
     bits = _bits(base.detach()).clone()
-    bits[torch.from_numpy(idx)] = values
+    where = torch.from_numpy(idx)
+    bits[where] = bits[where] ^ torch.from_numpy(values.copy())
     return bits.view(dtype).reshape(base.shape)
 
 

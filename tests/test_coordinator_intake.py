@@ -222,3 +222,70 @@ def test_replayed_manifest_from_an_earlier_round_is_refused(tmp_path, tiny_base)
     finally:
         peer.stop()
         c.stop()
+
+
+def test_garbage_collection_keeps_recent_rounds(tmp_path, tiny_base):
+    config = CoordinatorConfig(
+        work_dir=tmp_path / "coord", p2p_port=0, base_checkpoint=tiny_base, keep_rounds=1
+    )
+    c = Coordinator(config)
+    c.prepare()
+    try:
+        key = load_or_create_identity(tmp_path / "k.key")
+        base = c.current_base()
+        manifest = _delta_for(key, c.blobs, c.registry.checkpoint_dir(base), base.id)
+        signed = sign_manifest(manifest, key)
+        orphan = c.blobs.put_bytes(b"a blob no delta refers to")
+        with c.store.session() as s:
+            s.add(
+                DeltaRecord(
+                    id=signed.manifest_id,
+                    peer_id=manifest.peer_id,
+                    announced_by=manifest.peer_id,
+                    domain="math",
+                    base_id=base.id,
+                    round=1,
+                    steps=1,
+                    status="merged",
+                    metrics={},
+                    manifest=signed.manifest_bytes,
+                )
+            )
+        assert c.collect_garbage() == 1  # round 1 is within keep_rounds of round 1
+        assert not c.blobs.has(orphan)
+        assert all(c.blobs.has(sha) for sha in manifest.blobs)
+        with c.store.session() as s:
+            s.get(DeltaRecord, signed.manifest_id).round = -5
+        assert c.collect_garbage() == 1
+        assert not any(c.blobs.has(sha) for sha in manifest.blobs)
+    finally:
+        c.store.close()
+
+
+def test_peer_not_on_the_allow_list_is_refused_before_fetching(tmp_path, tiny_base):
+    config = CoordinatorConfig(
+        work_dir=tmp_path / "coord",
+        p2p_port=0,
+        base_checkpoint=tiny_base,
+        allowed_peers=["12D3KooWNotTheSenderAtAllxxxxxxxxxxxxxxxxxxxxxxxx"],
+    )
+    c = Coordinator(config)
+    c.start()
+    key, store, peer = _peer(tmp_path, "dave", c.config.topic)
+    try:
+        peer.connect(c.host.listen_addrs[0])
+        peer.wait_for_peers_in_topic(1, timeout=30)
+        base = c.current_base()
+        manifest = _delta_for(key, store, c.registry.checkpoint_dir(base), base.id)
+        for sha in manifest.blobs:
+            peer.serve_blob(sha)
+        signed = sign_manifest(manifest, key)
+        _announce(peer, signed)
+        record = _wait_record(c, signed.manifest_id)
+        assert record.status == "rejected"
+        assert "allow-list" in record.reason
+        assert peer.bytes_served == 0
+        assert not any(c.blobs.has(sha) for sha in manifest.blobs)
+    finally:
+        peer.stop()
+        c.stop()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from protocol.delta import DTYPE_NAMES, DeltaError, decode_tensor, encode_tensor
+from protocol.delta import DTYPE_NAMES, DeltaError, _pack, decode_tensor, encode_tensor
 from protocol.manifest import TensorEntry
 
 BLOB = "00" * 32
@@ -83,14 +83,12 @@ def test_damaged_payloads_are_refused():
     garbage = b"\xff" * entry.index_bytes + encoded.payload[entry.index_bytes :]
     with pytest.raises(DeltaError, match="inflate"):
         decode_tensor(entry, garbage, base)
-    import zlib
-
-    out_of_range = zlib.compress(np.array([1, 1, 500], dtype=np.uint32).tobytes())
+    out_of_range = _pack(np.array([1, 1, 500], dtype=np.uint32))
     payload = out_of_range + encoded.payload[entry.index_bytes :]
     bad = entry.model_copy(update={"index_bytes": len(out_of_range), "length": len(payload)})
     with pytest.raises(DeltaError, match="out of range"):
         decode_tensor(bad, payload, base)
-    zero_gap = zlib.compress(np.array([1, 0, 5], dtype=np.uint32).tobytes())
+    zero_gap = _pack(np.array([1, 0, 5], dtype=np.uint32))
     payload = zero_gap + encoded.payload[entry.index_bytes :]
     bad = entry.model_copy(update={"index_bytes": len(zero_gap), "length": len(payload)})
     with pytest.raises(DeltaError, match="increasing"):
