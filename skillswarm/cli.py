@@ -106,7 +106,7 @@ def demo(
     workdir: Annotated[Path, typer.Option(help="run folder")] = Path("runs/demo"),
     nodes: Annotated[int, typer.Option(min=1, max=4, help="math nodes")] = 2,
     steps: Annotated[int, typer.Option(min=1, help="RL steps per node")] = 6,
-    eval_tasks: Annotated[int, typer.Option(min=1)] = 32,
+    eval_tasks: Annotated[int, typer.Option(min=1, help="held-out tasks per evaluation")] = 64,
 ) -> None:
     """Coordinator + nodes as processes on 127.0.0.1, one round, CPU only."""
     from skillswarm.demo import DemoError, run_demo

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
+from merge.methods import MergeSpec
 from node.config import NodeConfig, TrainConfig
 from protocol.tomlconfig import write_toml_config
 
@@ -96,7 +98,12 @@ def wait_http(url: str, proc: Process, timeout: float) -> None:
 
 
 def write_configs(
-    workdir: Path, base: Path, n_nodes: int, train: TrainConfig, eval_tasks: int
+    workdir: Path,
+    base: Path,
+    n_nodes: int,
+    train: TrainConfig,
+    eval_tasks: int,
+    merge: MergeSpec | None = None,
 ) -> tuple[Path, list[Path], str]:
     """Coordinator and node TOML files for a loopback swarm; returns them and the HTTP URL."""
     http_port = free_port()
@@ -107,6 +114,7 @@ def write_configs(
         p2p_port=free_port(),
         base_checkpoint=base,
         round=RoundPolicy(min_deltas=n_nodes),
+        merge=merge or MergeSpec(),
         eval=EvalConfig(domains=["math"], n_tasks=eval_tasks),
     )
     coordinator_toml = write_toml_config(coordinator, workdir / "coordinator.toml")
@@ -128,7 +136,7 @@ def run_demo(
     *,
     n_nodes: int = 2,
     steps: int = 6,
-    eval_tasks: int = 32,
+    eval_tasks: int = 64,
     console: Console | None = None,
     timeout: float = 1800.0,
 ) -> dict:
@@ -143,8 +151,18 @@ def run_demo(
         with console.status("building the embedded base model (tokenizer, tiny Qwen2, warm start)"):
             create_base_checkpoint(base)
     console.print(f"base checkpoint: {base}")
+    for stale in [
+        workdir / "coordinator",
+        workdir / "pulled",
+        workdir / "logs",
+        *workdir.glob("node-*"),
+    ]:
+        if stale.is_dir():  # a fresh swarm every run; only the base is reused
+            shutil.rmtree(stale)
+    # Nodes of one domain pull the same way: their task vectors are averaged, not stacked.
+    merge = MergeSpec(method="task_arithmetic", parameters={"weight": 1.0 / n_nodes})
     coordinator_toml, node_tomls, url = write_configs(
-        workdir, base, n_nodes, TrainConfig(steps=steps), eval_tasks
+        workdir, base, n_nodes, TrainConfig(steps=steps), eval_tasks, merge
     )
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)

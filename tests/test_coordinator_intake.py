@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 
@@ -115,6 +116,13 @@ def test_forged_and_misattributed_deltas_refused_honest_one_accepted(tmp_path, c
         record = _wait_record(c, record_id(forged, mallory.peer_id))
         assert record.status == "rejected"
         assert "bad signature" in (record.reason or "")
+
+        # An unknown message type and a malformed delta announcement: logged, nothing recorded.
+        mallory.publish(msgpack.packb({"v": 1, "body": {"type": "please_merge_me"}}))
+        mallory.publish(msgpack.packb({"v": 1, "body": {"type": "delta_announced"}}))
+        time.sleep(2)
+        with c.store.session() as s:
+            assert s.query(DeltaRecord).count() == 2
 
         # Nothing of the refused deltas was fetched, nothing recorded as accepted.
         for sha in [*alice_manifest.blobs, *claims_alice.blobs]:
