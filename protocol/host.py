@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import socket
 import struct
 import threading
+import time
 import weakref
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -36,7 +39,7 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
@@ -46,12 +49,19 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from protocol.blobstore import BlobNotFound, BlobStore, InvalidBlobId, validate_blob_id
+from protocol.blobstore import (
+    BlobCorrupted,
+    BlobNotFound,
+    BlobStore,
+    InvalidBlobId,
+    validate_blob_id,
+)
 from protocol.identity import peer_id_of
 
 __all__ = [
     "BLOB_PROTOCOL_ID",
     "MAX_GOSSIP_PAYLOAD_BYTES",
+    "AllHoldersFailed",
     "BlobFetchError",
     "GossipMessage",
     "GossipMessageTooLarge",
@@ -92,9 +102,24 @@ _FRAME_LENGTH = struct.Struct(">I")
 
 # A connection that cannot take one Noise message (at most 64 KiB) in this time is treated as dead.
 RAW_WRITE_STALL_TIMEOUT_S = 10.0
+# Bytes asked of the socket per read; Noise's small reads are then served from what came back.
+RAW_READ_BYTES = 256 << 10
+
+# fetch_blob_from_any: delay before the k-th retry at one holder is about
+# FETCH_RETRY_INITIAL_DELAY_S * 2**(k-1), capped, with jitter.
+FETCH_RETRY_INITIAL_DELAY_S = 0.5
+FETCH_RETRY_MAX_DELAY_S = 15.0
+
+# keep_connected: how often a kept peer's connection is checked, and the redial backoff.
+RECONNECT_POLL_INTERVAL_S = 0.25
+RECONNECT_INITIAL_DELAY_S = 0.5
+RECONNECT_MAX_DELAY_S = 30.0
+RECONNECT_DIAL_TIMEOUT_S = 15.0
+RECONNECT_STABLE_AFTER_S = 10.0
 
 MESH_POLL_INTERVAL_S = 0.05
 GRACEFUL_STOP_TIMEOUT_S = 10.0
+CLOSE_CONNECTIONS_TIMEOUT_S = 5.0
 FORCED_STOP_TIMEOUT_S = 5.0
 
 _T = TypeVar("_T")
@@ -128,6 +153,14 @@ class BlobFetchError(SwarmHostError):
     """A blob download failed (refused, timed out, disconnected); the partial is kept."""
 
 
+class AllHoldersFailed(BlobFetchError):
+    """No holder delivered the blob; `failures` maps each holder's peer id to its errors."""
+
+    def __init__(self, message: str, failures: dict[str, list[str]]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
 class _BlobRequestRefused(Exception):
     """A blob request the server answers with an error header."""
 
@@ -151,7 +184,10 @@ class _GuardedPubsub(Pubsub):
       error in a pubsub task stops the pubsub service; such a message is dropped;
     - the replay of recent messages to a joining peer writes to its stream while the peer's send
       queue writes too; a message over one yamux frame (64 KiB) then interleaves with the other
-      writes and the peer reads a corrupt RPC; writes to one stream are serialized.
+      writes and the peer reads a corrupt RPC; writes to one stream are serialized;
+    - message sequence numbers start at the current time in whole seconds, so a peer that
+      restarts within seconds reuses the ids of its earlier messages and the others drop its new
+      ones as already seen; they start at the time in nanoseconds instead, as go-libp2p does.
     """
 
     def __init__(self, host: IHost, router: GossipSub, strict_signing: bool) -> None:
@@ -161,6 +197,7 @@ class _GuardedPubsub(Pubsub):
         self._stream_write_locks: weakref.WeakKeyDictionary[INetStream, trio.Lock] = (
             weakref.WeakKeyDictionary()
         )
+        self.counter = time.time_ns()
 
     async def stream_handler(self, stream: INetStream) -> None:
         try:
@@ -189,18 +226,23 @@ class _GuardedPubsub(Pubsub):
 
 
 class _CancelSafeRawConnection(IRawConnection):
-    """A TCP connection whose writes a cancellation cannot cut short.
+    """A TCP connection whose writes a cancellation cannot cut short, with buffered reads.
 
     Noise encrypts each message with the next nonce just before it writes it. A write cancelled
     before it sent its bytes (a fetch timeout, the blob server's stall timeout) would spend that
     nonce: the peer could decrypt nothing after it and the whole connection, gossip included,
     would die. Writes here finish, or fail after RAW_WRITE_STALL_TIMEOUT_S and close the
     connection; a cancellation then takes effect at the next checkpoint.
+
+    Reads ask the socket for RAW_READ_BYTES at a time and serve Noise's small reads from that:
+    it cut the CPU time per received MiB by about 30% (bench/bench_transport.py).
     """
 
     def __init__(self, conn: IRawConnection) -> None:
         self._conn = conn
         self.is_initiator = conn.is_initiator
+        self._read_buffer = b""
+        self._read_offset = 0
 
     async def write(self, data: bytes) -> None:
         with trio.CancelScope(shield=True) as write_scope:
@@ -215,7 +257,19 @@ class _CancelSafeRawConnection(IRawConnection):
             )
 
     async def read(self, n: int | None = None) -> bytes:
-        return await self._conn.read(n)
+        """At most `n` bytes (any available if None), from a buffer filled RAW_READ_BYTES at a
+        time: Noise reads a 2-byte length and then the message, a socket read for each."""
+        if self._read_offset >= len(self._read_buffer):
+            data = await self._conn.read(RAW_READ_BYTES if n is None else max(n, RAW_READ_BYTES))
+            if self._read_offset < len(self._read_buffer):  # another reader refilled meanwhile
+                data = self._read_buffer[self._read_offset :] + data
+            elif n is None or len(data) <= n:
+                return data
+            self._read_buffer, self._read_offset = data, 0
+        start = self._read_offset
+        end = len(self._read_buffer) if n is None else min(start + n, len(self._read_buffer))
+        self._read_offset = end
+        return self._read_buffer[start:end]
 
     async def close(self) -> None:
         await self._conn.close()
@@ -296,6 +350,8 @@ class SwarmHost:
         self._gossipsub: GossipSub | None = None
         self._active_streams: defaultdict[str, int] = defaultdict(int)
         self._fetch_locks: dict[str, trio.Lock] = {}
+        self._nursery: trio.Nursery | None = None
+        self._kept_peer_addrs: dict[ID, list[multiaddr.Multiaddr]] = {}
 
     # Lifecycle
 
@@ -366,15 +422,8 @@ class SwarmHost:
 
     def connect(self, multiaddr_text: str, timeout: float = 15) -> str:
         """Dial a peer at a full multiaddr (…/p2p/<peer id>); returns the remote peer id."""
-        try:
-            peer_info = info_from_p2p_addr(multiaddr.Multiaddr(multiaddr_text))
-        except Exception as error:
-            raise PeerConnectError(
-                f"{multiaddr_text!r} is not a dialable multiaddr ending in /p2p/<peer id>: {error}"
-            ) from error
+        peer_info = self._parse_peer_addr(multiaddr_text)
         remote_peer_id = peer_info.peer_id.to_base58()
-        if remote_peer_id == self.peer_id:
-            raise PeerConnectError(f"{multiaddr_text} is this host's own address")
 
         async def dial() -> None:
             assert self._host is not None
@@ -390,6 +439,40 @@ class SwarmHost:
 
         self._call(dial)
         return remote_peer_id
+
+    def keep_connected(self, multiaddrs: Sequence[str]) -> list[str]:
+        """Hold a connection to the peers at these full multiaddrs until stop(); returns their ids.
+
+        A task per peer redials it whenever it is not connected (at once, then with capped,
+        jittered exponential backoff while dials fail), and logs each reconnection. Returns at once,
+        without waiting for the first connection; calling it again for a kept peer adds addresses.
+        """
+        peer_infos = [self._parse_peer_addr(text) for text in multiaddrs]
+
+        async def watch_peers() -> None:
+            assert self._nursery is not None
+            for peer_info in peer_infos:
+                known = self._kept_peer_addrs.get(peer_info.peer_id)
+                if known is not None:
+                    known.extend(addr for addr in peer_info.addrs if addr not in known)
+                    continue
+                self._kept_peer_addrs[peer_info.peer_id] = list(peer_info.addrs)
+                self._nursery.start_soon(
+                    self._keep_peer_connected,
+                    peer_info.peer_id,
+                    name=f"keep-connected-{peer_info.peer_id.to_base58()[-8:]}",
+                )
+
+        self._call(watch_peers)
+        return [peer_info.peer_id.to_base58() for peer_info in peer_infos]
+
+    def kept_peers(self) -> list[str]:
+        """Peer ids that keep_connected() is holding connections to."""
+
+        async def list_kept() -> list[str]:
+            return sorted(peer.to_base58() for peer in self._kept_peer_addrs)
+
+        return self._call(list_kept)
 
     def connected_peers(self) -> list[str]:
         """Peer ids of the peers this host holds a connection to."""
@@ -496,6 +579,42 @@ class SwarmHost:
             raise BlobFetchError(f"{peer_id!r} is not a base58 peer id") from error
         return self._call(self._fetch_blob, remote, sha256, size, timeout)
 
+    def fetch_blob_from_any(
+        self,
+        peer_ids: Sequence[str],
+        sha256: str,
+        size: int,
+        timeout: float = 300,
+        attempts_per_peer: int = 2,
+    ) -> Path:
+        """Download a blob from the first of its holders that delivers it; returns its path.
+
+        Holders are tried in order, each up to `attempts_per_peer` times with exponential backoff
+        between attempts; `timeout` bounds each attempt. The partial download is kept across
+        attempts and holders (blobs are content-addressed), so a transfer cut at one holder resumes
+        from its offset at the next. A download that fails its sha256 check (partial deleted)
+        starts again from scratch: at the next holder when this one sent every byte, else at the
+        same holder, since the bad bytes may predate this attempt. Raises AllHoldersFailed (a
+        BlobFetchError) listing each holder's failures when none delivers.
+        """
+        validate_blob_id(sha256)
+        if self.blob_store.has(sha256):
+            return self.blob_store.path(sha256)
+        if size < 0:
+            raise ValueError(f"blob size must be non-negative, got {size}")
+        if attempts_per_peer < 1:
+            raise ValueError(f"attempts_per_peer must be at least 1, got {attempts_per_peer}")
+        if size > self.max_blob_bytes:
+            raise BlobFetchError(
+                f"blob {sha256} of {size} bytes exceeds the limit of {self.max_blob_bytes} bytes"
+            )
+        holders = [peer_id for peer_id in dict.fromkeys(peer_ids) if peer_id != self.peer_id]
+        if not holders:
+            raise BlobFetchError(f"no peer to fetch blob {sha256} from (holders: {peer_ids!r})")
+        return self._call(
+            self._fetch_blob_from_any, holders, sha256, size, timeout, attempts_per_peer
+        )
+
     # Trio side
 
     def _thread_main(self) -> None:
@@ -553,6 +672,7 @@ class SwarmHost:
                     await pubsub.wait_until_ready()
                     subscription = await pubsub.subscribe(self.topic)
                     async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
                         nursery.start_soon(self._deliver_gossip, subscription)
                         self._listen_addrs = [str(addr) for addr in host.get_addrs()]
                         self._running = True
@@ -562,6 +682,7 @@ class SwarmHost:
                         )
                         await self._stop_requested.wait()
                         nursery.cancel_scope.cancel()
+                    await _close_connections(host)
             finally:
                 # Pubsub's seen-message cache sweeps in a thread of its own that pubsub never stops.
                 pubsub.seen_messages.stop()
@@ -657,29 +778,175 @@ class SwarmHost:
         await stream.close()
 
     async def _fetch_blob(self, remote: ID, sha256: str, size: int, timeout: float) -> Path:
+        async with self._blob_fetch_lock(sha256):
+            if self.blob_store.has(sha256):
+                return self.blob_store.path(sha256)
+            return await self._download_and_commit(remote, sha256, size, timeout)
+
+    async def _fetch_blob_from_any(
+        self, holders: list[str], sha256: str, size: int, timeout: float, attempts_per_peer: int
+    ) -> Path:
+        failures: dict[str, list[str]] = {}
+        async with self._blob_fetch_lock(sha256):
+            for holder in holders:
+                errors = failures.setdefault(holder, [])
+                try:
+                    remote = ID.from_base58(holder)
+                except Exception:
+                    errors.append(f"{holder!r} is not a base58 peer id")
+                    continue
+                attempt = 0
+                while attempt < attempts_per_peer:
+                    if self.blob_store.has(sha256):
+                        return self.blob_store.path(sha256)
+                    attempt += 1
+                    if attempt > 1:
+                        # Our own backoff decides when to dial again, not libp2p's 60 s blocklist.
+                        self._forget_failed_dials(remote)
+                    _, resumed_from = self.blob_store.open_partial(sha256)
+                    if 0 < resumed_from < size:
+                        logger.info(
+                            "resuming blob %s at byte %d of %d from %s",
+                            sha256,
+                            resumed_from,
+                            size,
+                            holder,
+                        )
+                    try:
+                        return await self._download_and_commit(remote, sha256, size, timeout)
+                    except BlobCorrupted as error:
+                        errors.append(f"attempt {attempt}: {error}")
+                        logger.warning(
+                            "blob %s from %s failed its sha256 check (resumed from byte %d); "
+                            "fetching it again from scratch",
+                            sha256,
+                            holder,
+                            resumed_from,
+                        )
+                        if resumed_from == 0:
+                            break  # every byte came from this holder: it holds a bad copy
+                    except BlobFetchError as error:
+                        errors.append(f"attempt {attempt}: {error}")
+                        if attempt < attempts_per_peer:
+                            delay = _backoff_delay(
+                                attempt, FETCH_RETRY_INITIAL_DELAY_S, FETCH_RETRY_MAX_DELAY_S
+                            )
+                            logger.info(
+                                "fetching blob %s from %s failed (%s); retrying in %.2f s",
+                                sha256,
+                                holder,
+                                error,
+                                delay,
+                            )
+                            await trio.sleep(delay)
+                logger.info("giving up on %s as a source of blob %s", holder, sha256)
+        summary = "; ".join(
+            f"{holder}: " + " | ".join(errors) for holder, errors in failures.items()
+        )
+        raise AllHoldersFailed(
+            f"no holder delivered blob {sha256} ({len(holders)} tried): {summary}", failures
+        )
+
+    @asynccontextmanager
+    async def _blob_fetch_lock(self, sha256: str) -> AsyncIterator[None]:
+        """Serializes downloads of one blob: they share its partial file."""
         lock = self._fetch_locks.setdefault(sha256, trio.Lock())
         try:
             async with lock:
-                if self.blob_store.has(sha256):
-                    return self.blob_store.path(sha256)
-                partial, have = self.blob_store.open_partial(sha256)
-                if have > size:
-                    logger.warning("partial of blob %s is longer than the blob; restarting", sha256)
-                    self.blob_store.discard_partial(sha256)
-                    partial, have = self.blob_store.open_partial(sha256)
-                if have < size:
-                    try:
-                        with trio.fail_after(timeout):
-                            await self._download_range(remote, sha256, size, partial, have)
-                    except trio.TooSlowError:
-                        raise BlobFetchError(
-                            f"fetching blob {sha256} from {remote} timed out after {timeout} s; "
-                            "the partial download is kept for resuming"
-                        ) from None
-                return await trio.to_thread.run_sync(self.blob_store.commit_partial, sha256)
+                yield
         finally:
             if not lock.locked() and lock.statistics().tasks_waiting == 0:
                 self._fetch_locks.pop(sha256, None)
+
+    async def _download_and_commit(
+        self, remote: ID, sha256: str, size: int, timeout: float
+    ) -> Path:
+        """Fetch the bytes the partial download lacks, then verify and install the blob.
+
+        Call with the blob's fetch lock held. Raises BlobFetchError (partial kept) or
+        BlobCorrupted (partial deleted).
+        """
+        partial, have = self.blob_store.open_partial(sha256)
+        if have > size:
+            logger.warning("partial of blob %s is longer than the blob; restarting", sha256)
+            self.blob_store.discard_partial(sha256)
+            partial, have = self.blob_store.open_partial(sha256)
+        if have < size:
+            try:
+                with trio.fail_after(timeout):
+                    await self._download_range(remote, sha256, size, partial, have)
+            except trio.TooSlowError:
+                raise BlobFetchError(
+                    f"fetching blob {sha256} from {remote} timed out after {timeout} s; "
+                    "the partial download is kept for resuming"
+                ) from None
+        return await trio.to_thread.run_sync(self.blob_store.commit_partial, sha256)
+
+    async def _keep_peer_connected(self, peer: ID) -> None:
+        """Redial `peer` whenever it is not connected, backing off while it does not stay.
+
+        Every dial after the first waits a backoff that grows with the dials made since the
+        connection last held for RECONNECT_STABLE_AFTER_S: a peer that refuses us, or accepts and
+        drops us at once, is not redialled in a tight loop.
+        """
+        assert self._host is not None
+        network = self._host.get_network()
+        unstable_dials = 0
+        connected_since: float | None = None
+        was_connected = False
+        while True:
+            if network.get_connections(peer):
+                now = trio.current_time()
+                if connected_since is None:
+                    connected_since = now
+                elif now - connected_since >= RECONNECT_STABLE_AFTER_S:
+                    unstable_dials = 0
+                was_connected = True
+                await trio.sleep(RECONNECT_POLL_INTERVAL_S)
+                continue
+            if connected_since is not None:
+                logger.warning("lost the connection to %s; redialling", peer)
+                connected_since = None
+            if unstable_dials > 0:
+                delay = _backoff_delay(
+                    unstable_dials, RECONNECT_INITIAL_DELAY_S, RECONNECT_MAX_DELAY_S
+                )
+                logger.debug("redialling %s in %.2f s", peer, delay)
+                await trio.sleep(delay)
+            unstable_dials += 1
+            self._forget_failed_dials(peer)
+            try:
+                with trio.fail_after(RECONNECT_DIAL_TIMEOUT_S):
+                    await self._host.connect(PeerInfo(peer, list(self._kept_peer_addrs[peer])))
+            except (Exception, trio.TooSlowError) as error:
+                logger.info("dialling %s failed (attempt %d): %r", peer, unstable_dials, error)
+                continue
+            connected_since = trio.current_time()
+            logger.info(
+                "%s %s (attempt %d)",
+                "reconnected to" if was_connected else "connected to kept peer",
+                peer,
+                unstable_dials,
+            )
+            was_connected = True
+
+    def _forget_failed_dials(self, peer: ID) -> None:
+        """Lift libp2p's 60 s block on dialling a peer whose addresses all failed recently."""
+        assert self._host is not None
+        unblock_peer = getattr(self._host.get_network(), "unblock_peer", None)
+        if unblock_peer is not None:
+            unblock_peer(peer)
+
+    def _parse_peer_addr(self, multiaddr_text: str) -> PeerInfo:
+        try:
+            peer_info = info_from_p2p_addr(multiaddr.Multiaddr(multiaddr_text))
+        except Exception as error:
+            raise PeerConnectError(
+                f"{multiaddr_text!r} is not a dialable multiaddr ending in /p2p/<peer id>: {error}"
+            ) from error
+        if peer_info.peer_id.to_base58() == self.peer_id:
+            raise PeerConnectError(f"{multiaddr_text} is this host's own address")
+        return peer_info
 
     async def _download_range(
         self, remote: ID, sha256: str, size: int, partial: Path, offset: int
@@ -779,24 +1046,19 @@ def _error_header(error: str) -> bytes:
 
 
 async def _receive_into(stream: INetStream, partial: Path, count: int) -> None:
-    """Append exactly `count` bytes from the stream to the partial file, ~1 MiB per write."""
+    """Append exactly `count` bytes from the stream to the partial file, ~1 MiB per disk write.
+
+    Whatever arrived before an error or a cancellation is flushed to the file when it closes: it
+    is a correct prefix of the rest of the blob, kept for resuming.
+    """
     remaining = count
-    buffer = bytearray()
-    with open(partial, "ab") as partial_file:
-        try:
-            while remaining > 0:
-                chunk = await stream.read(min(remaining, BLOB_CHUNK_BYTES - len(buffer)))
-                if not chunk:
-                    raise EOFError(f"stream ended with {remaining} bytes still to come")
-                buffer += chunk
-                remaining -= len(chunk)
-                if len(buffer) >= BLOB_CHUNK_BYTES:
-                    pending = bytes(buffer)
-                    buffer.clear()
-                    partial_file.write(pending)
-        finally:
-            # Whatever arrived is a correct prefix of the rest of the blob: keep it for resuming.
-            partial_file.write(buffer)
+    with open(partial, "ab", buffering=BLOB_CHUNK_BYTES) as partial_file:
+        while remaining > 0:
+            chunk = await stream.read(min(remaining, BLOB_CHUNK_BYTES))
+            if not chunk:
+                raise EOFError(f"stream ended with {remaining} bytes still to come")
+            partial_file.write(chunk)
+            remaining -= len(chunk)
 
 
 def _file_size(blob_file: Any) -> int:
@@ -830,6 +1092,23 @@ async def _reset_quietly(stream: INetStream) -> None:
             logger.debug("resetting a blob stream failed: %r", error)
 
 
+async def _close_connections(host: IHost) -> None:
+    """Close every connection, so that peers see the disconnect and the sockets are freed.
+
+    py-libp2p 0.8.1 closes connections only in its swarm's cancelled shutdown path, where the
+    first await ends the closing: the sockets stayed open, and a peer kept writing to a host
+    that was gone (a blob transfer stalled, the peer's reconnect logic never fired).
+    """
+    network = host.get_network()
+    with trio.move_on_after(CLOSE_CONNECTIONS_TIMEOUT_S):
+        for peer, connections in network.get_connections_map().items():
+            for connection in connections:
+                try:
+                    await connection.close()
+                except Exception as error:
+                    logger.debug("closing the connection to %s failed: %r", peer, error)
+
+
 def _ensure_port_is_free(host: str, port: int) -> None:
     """Refuse a listen port already taken: libp2p listens with SO_REUSEPORT, so two hosts on one
     port would both start and split the incoming connections between them."""
@@ -842,6 +1121,12 @@ def _ensure_port_is_free(host: str, port: int) -> None:
             raise HostStartError(
                 f"cannot listen on {host}:{port}: {error.strerror}; is another node using it?"
             ) from error
+
+
+def _backoff_delay(attempt: int, initial: float, cap: float) -> float:
+    """Exponential backoff for the `attempt`-th retry (1-based), capped, with up to 50% jitter."""
+    delay = min(cap, initial * 2 ** (attempt - 1))
+    return delay * random.uniform(0.5, 1.0)
 
 
 def _run_sync_in_trio(fn: Callable[[], object], token: trio.lowlevel.TrioToken) -> None:

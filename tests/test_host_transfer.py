@@ -1,0 +1,399 @@
+"""Blob transfers that break and recover, between real SwarmHosts on 127.0.0.1.
+
+A 100 MiB blob is cut mid-transfer and resumed at the same holder and at another one; corrupted
+bytes (in a holder's store or in a partial download) are detected and fetched again; a dropped
+connection is redialled by keep_connected once the remote host is back on the same port.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import multiaddr
+import pytest
+import trio
+from libp2p.io.trio import TrioTCPStream
+from libp2p.network.connection.raw_connection import RawConnection
+
+from protocol.blobstore import BlobStore
+from protocol.host import (
+    AllHoldersFailed,
+    BlobFetchError,
+    HostNotRunning,
+    PeerConnectError,
+    SwarmHost,
+    _CancelSafeRawConnection,
+)
+from protocol.identity import load_or_create_identity
+
+pytestmark = pytest.mark.timeout(120)
+
+TOPIC = "skillswarm-transfer-test"
+BIG_BLOB_BYTES = 100 << 20
+# Transfers are cut once the holder has sent this much: near halfway, with room left for the stop
+# to land before the last byte on a fast machine.
+CUT_AFTER_BYTES = BIG_BLOB_BYTES * 2 // 5
+CORRUPTED_SPAN_BYTES = 1 << 20
+DELIVERY_TIMEOUT_S = 10
+MESH_TIMEOUT_S = 15
+TRANSFER_TIMEOUT_S = 60
+RECONNECT_TIMEOUT_S = 20
+POLL_INTERVAL_S = 0.005
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Blob:
+    sha256: str
+    data: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+@pytest.fixture(scope="module")
+def big_blob() -> Blob:
+    data = os.urandom(BIG_BLOB_BYTES)
+    return Blob(hashlib.sha256(data).hexdigest(), data)
+
+
+@pytest.fixture
+def background() -> Iterator[Callable[[Callable[[], _T]], Future[_T]]]:
+    """Runs a blocking call (a fetch) in a worker thread, so the test can cut it meanwhile."""
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        yield lambda call: executor.submit(call)
+
+
+def make_host(root: Path, name: str, **options: Any) -> SwarmHost:
+    """A host whose key and blob store live under `root/name…`: the same name is the same peer."""
+    key_pair = load_or_create_identity(root / f"{name}.key")
+    return SwarmHost(key_pair, BlobStore(root / f"{name}-blobs"), TOPIC, **options)
+
+
+def holder_of(blob: Blob, host: SwarmHost, stored_bytes: bytes | None = None) -> None:
+    """Put the blob in the host's store (optionally with other bytes under its id) and serve it."""
+    if stored_bytes is None:
+        assert host.blob_store.put_bytes(blob.data) == blob.sha256
+    else:
+        path = host.blob_store.path(blob.sha256)
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(stored_bytes)
+    host.serve_blob(blob.sha256)
+
+
+def with_corrupted_span(data: bytes, at: int) -> bytes:
+    """`data` with CORRUPTED_SPAN_BYTES of it, starting at `at`, inverted."""
+    span = bytes(byte ^ 0xFF for byte in data[at : at + CORRUPTED_SPAN_BYTES])
+    return data[:at] + span + data[at + len(span) :]
+
+
+def cut_when_served(server: SwarmHost, at_least: int, fetch: Future[Any], cut: SwarmHost) -> None:
+    """Stop `cut` as soon as `server` has sent `at_least` bytes; the fetch must still be running."""
+    while server.bytes_served < at_least and not fetch.done():
+        time.sleep(POLL_INTERVAL_S)
+    assert not fetch.done(), "the transfer finished before it could be cut"
+    cut.stop()
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as blob_file:
+        while chunk := blob_file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def next_message(host: SwarmHost, data: bytes) -> str:
+    """Wait for the gossip message `data` at `host` (skipping others); returns its origin."""
+    deadline = time.monotonic() + DELIVERY_TIMEOUT_S
+    while True:
+        try:
+            message = host.messages.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"{data!r} did not arrive at {host.peer_id}") from None
+        if message.data == data:
+            return message.from_peer
+
+
+def port_of(host: SwarmHost) -> int:
+    return int(multiaddr.Multiaddr(host.listen_addrs[0]).value_for_protocol("tcp"))
+
+
+# Resuming a cut transfer
+
+
+def test_cut_transfer_resumes_from_its_offset_at_the_same_holder(
+    tmp_path: Path, big_blob: Blob, background: Callable[[Callable[[], Path]], Future[Path]]
+) -> None:
+    """The fetching node goes down halfway; once back, it asks the holder only for the rest."""
+    holder, client = make_host(tmp_path, "holder"), make_host(tmp_path, "client")
+    with holder, client:
+        holder_of(big_blob, holder)
+        client.connect(holder.listen_addrs[0])
+        fetch = background(
+            lambda: client.fetch_blob(holder.peer_id, big_blob.sha256, big_blob.size)
+        )
+        cut_when_served(holder, CUT_AFTER_BYTES, fetch, cut=client)
+        with pytest.raises((BlobFetchError, HostNotRunning)):
+            fetch.result(TRANSFER_TIMEOUT_S)
+
+        with make_host(tmp_path, "client") as restarted:  # same key, same blob store
+            _, kept = restarted.blob_store.open_partial(big_blob.sha256)
+            assert 0 < kept < big_blob.size
+            served_before = holder.bytes_served
+            restarted.connect(holder.listen_addrs[0])
+
+            path = restarted.fetch_blob(holder.peer_id, big_blob.sha256, big_blob.size)
+
+            assert holder.bytes_served - served_before == big_blob.size - kept
+            assert sha256_of(path) == big_blob.sha256
+            assert not restarted.blob_store.partial_path(big_blob.sha256).exists()
+
+
+def test_cut_transfer_resumes_at_the_next_holder(
+    tmp_path: Path,
+    big_blob: Blob,
+    background: Callable[[Callable[[], Path]], Future[Path]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first holder goes away mid-transfer: the fetch retries it, then resumes at the second."""
+    caplog.set_level(logging.INFO, logger="protocol.host")
+    first, second = make_host(tmp_path, "first"), make_host(tmp_path, "second")
+    with first, second, make_host(tmp_path, "client") as client:
+        for holder in (first, second):
+            holder_of(big_blob, holder)
+            client.connect(holder.listen_addrs[0])
+        fetch = background(
+            lambda: client.fetch_blob_from_any(
+                [first.peer_id, second.peer_id], big_blob.sha256, big_blob.size
+            )
+        )
+        cut_when_served(first, CUT_AFTER_BYTES, fetch, cut=first)
+
+        path = fetch.result(TRANSFER_TIMEOUT_S)
+
+        assert sha256_of(path) == big_blob.sha256
+        (resumed_from,) = [
+            record.args[1]
+            for record in caplog.records
+            if record.msg.startswith("resuming blob")
+            and isinstance(record.args, tuple)
+            and record.args[3] == second.peer_id
+        ]
+        assert 0 < resumed_from < big_blob.size
+        assert second.bytes_served == big_blob.size - resumed_from
+        retries_of_first = [
+            record
+            for record in caplog.records
+            if record.msg.startswith("fetching blob")
+            and isinstance(record.args, tuple)
+            and record.args[1] == first.peer_id
+        ]
+        assert len(retries_of_first) == 1  # attempts_per_peer=2: one retry, then the next holder
+
+
+# Corrupted bytes
+
+
+def test_holder_with_corrupted_bytes_is_detected_and_the_next_holder_serves_the_blob(
+    tmp_path: Path, big_blob: Blob, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="protocol.host")
+    bad, good = make_host(tmp_path, "bad"), make_host(tmp_path, "good")
+    with bad, good, make_host(tmp_path, "client") as client:
+        holder_of(big_blob, bad, stored_bytes=with_corrupted_span(big_blob.data, 60 << 20))
+        holder_of(big_blob, good)
+        for holder in (bad, good):
+            client.connect(holder.listen_addrs[0])
+
+        path = client.fetch_blob_from_any(
+            [bad.peer_id, good.peer_id], big_blob.sha256, big_blob.size
+        )
+
+        assert sha256_of(path) == big_blob.sha256
+        # The bad copy came in whole, failed its check, and the good one came from byte 0.
+        assert bad.bytes_served == big_blob.size
+        assert good.bytes_served == big_blob.size
+        assert any("failed its sha256 check" in record.getMessage() for record in caplog.records)
+
+
+def test_corrupted_partial_is_detected_and_fetched_again_from_scratch(
+    tmp_path: Path, big_blob: Blob
+) -> None:
+    """A resumed download that fails its check may owe the bad bytes to an earlier attempt: the
+    same holder is asked again for the whole blob."""
+    with make_host(tmp_path, "holder") as holder, make_host(tmp_path, "client") as client:
+        holder_of(big_blob, holder)
+        client.connect(holder.listen_addrs[0])
+        half = big_blob.size // 2
+        partial, _ = client.blob_store.open_partial(big_blob.sha256)
+        partial.write_bytes(with_corrupted_span(big_blob.data[:half], 10 << 20))
+
+        path = client.fetch_blob_from_any([holder.peer_id], big_blob.sha256, big_blob.size)
+
+        assert sha256_of(path) == big_blob.sha256
+        assert holder.bytes_served == (big_blob.size - half) + big_blob.size
+
+
+def test_when_no_holder_delivers_each_ones_failures_are_reported(tmp_path: Path) -> None:
+    data = os.urandom(1 << 20)
+    blob = Blob(hashlib.sha256(data).hexdigest(), data)
+    bad, refusing = make_host(tmp_path, "bad"), make_host(tmp_path, "refusing")
+    with bad, refusing, make_host(tmp_path, "client") as client:
+        holder_of(blob, bad, stored_bytes=with_corrupted_span(data, 0))
+        refusing.blob_store.put_bytes(data)  # held but never served
+        for holder in (bad, refusing):
+            client.connect(holder.listen_addrs[0])
+
+        with pytest.raises(AllHoldersFailed) as failed:
+            client.fetch_blob_from_any(
+                ["not-a-peer-id", bad.peer_id, refusing.peer_id], blob.sha256, blob.size
+            )
+
+        failures = failed.value.failures
+        assert list(failures) == ["not-a-peer-id", bad.peer_id, refusing.peer_id]
+        assert "not a base58 peer id" in failures["not-a-peer-id"][0]
+        # A holder whose whole copy is bad is not asked again; a refusal is retried.
+        assert len(failures[bad.peer_id]) == 1 and "hash to" in failures[bad.peer_id][0]
+        assert len(failures[refusing.peer_id]) == 2
+        assert all("not served" in error for error in failures[refusing.peer_id])
+        assert refusing.peer_id in str(failed.value)
+        assert not client.blob_store.has(blob.sha256)
+
+
+def test_fetch_from_any_refuses_bad_arguments_before_any_transfer(tmp_path: Path) -> None:
+    with make_host(tmp_path, "client", max_blob_bytes=1000) as client:
+        blob_id = "ab" * 32
+        with pytest.raises(BlobFetchError, match="no peer to fetch"):
+            client.fetch_blob_from_any([client.peer_id], blob_id, 10)
+        with pytest.raises(BlobFetchError, match="exceeds the limit"):
+            client.fetch_blob_from_any(["somebody"], blob_id, 1001)
+        with pytest.raises(ValueError, match="attempts_per_peer"):
+            client.fetch_blob_from_any(["somebody"], blob_id, 10, attempts_per_peer=0)
+
+
+# Reconnecting
+
+
+def test_keep_connected_redials_a_restarted_peer_and_gossip_flows_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="protocol.host")
+    threads_before = {thread.ident for thread in threading.enumerate()}
+    watcher, remote = make_host(tmp_path, "watcher"), make_host(tmp_path, "remote")
+    with watcher, remote:
+        assert watcher.keep_connected(remote.listen_addrs) == [remote.peer_id]
+        assert watcher.kept_peers() == [remote.peer_id]
+        wait_for(lambda: remote.peer_id in watcher.connected_peers(), DELIVERY_TIMEOUT_S, "dial")
+        watcher.wait_for_peers_in_topic(1, MESH_TIMEOUT_S)
+        remote.wait_for_peers_in_topic(1, MESH_TIMEOUT_S)
+        remote.publish(b"before the restart")
+        assert next_message(watcher, b"before the restart") == remote.peer_id
+
+        port = port_of(remote)
+        remote.stop()
+        wait_for(
+            lambda: remote.peer_id not in watcher.connected_peers(),
+            DELIVERY_TIMEOUT_S,
+            "the watcher to notice the dropped connection",
+        )
+        # While the remote is down, redials fail and back off; then it returns, same key and port.
+        wait_for(
+            lambda: any("dialling" in record.getMessage() for record in caplog.records),
+            DELIVERY_TIMEOUT_S,
+            "a failed redial",
+        )
+        with make_host(tmp_path, "remote", listen_port=port) as restarted:
+            assert restarted.peer_id == remote.peer_id
+            wait_for(
+                lambda: restarted.peer_id in watcher.connected_peers(),
+                RECONNECT_TIMEOUT_S,
+                "keep_connected to redial the restarted peer",
+            )
+            watcher.wait_for_peers_in_topic(1, MESH_TIMEOUT_S)
+            restarted.wait_for_peers_in_topic(1, MESH_TIMEOUT_S)
+
+            restarted.publish(b"after the restart")
+            assert next_message(watcher, b"after the restart") == restarted.peer_id
+            watcher.publish(b"welcome back")
+            assert next_message(restarted, b"welcome back") == watcher.peer_id
+
+    assert any(
+        "reconnected to" in record.getMessage() and remote.peer_id in record.getMessage()
+        for record in caplog.records
+    )
+    # stop() cancelled the redial task with the rest: no host thread outlives its host.
+    left = [
+        thread.name
+        for thread in threading.enumerate()
+        if thread.ident not in threads_before and not thread.name.startswith("Trio thread")
+    ]
+    assert left == []
+    assert not any(
+        record.name == "protocol.host" and record.levelno >= logging.ERROR
+        for record in caplog.records
+    )
+
+
+def test_keep_connected_refuses_unusable_addresses(tmp_path: Path) -> None:
+    with make_host(tmp_path, "watcher") as watcher:
+        with pytest.raises(PeerConnectError, match="/p2p/"):
+            watcher.keep_connected(["/ip4/127.0.0.1/tcp/1"])
+        with pytest.raises(PeerConnectError, match="own address"):
+            watcher.keep_connected(watcher.listen_addrs)
+        assert watcher.kept_peers() == []
+    with pytest.raises(HostNotRunning):
+        watcher.keep_connected([])
+
+
+# Buffered connection reads (every blob byte passes through them)
+
+
+def test_buffered_connection_reads_return_every_byte_in_order_and_never_more_than_asked() -> None:
+    payload = os.urandom(700_000)
+    asked = [2, 5, 300_000, None, 1, 65_535]
+
+    async def read_everything() -> list[tuple[int | None, bytes]]:
+        (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        async with listener:
+            near_end = await trio.open_tcp_stream("127.0.0.1", listener.socket.getsockname()[1])
+            async with near_end, await listener.accept() as far_end:
+                connection = _CancelSafeRawConnection(RawConnection(TrioTCPStream(near_end), True))
+
+                async def send_payload() -> None:
+                    await far_end.send_all(payload)
+                    await far_end.send_eof()
+
+                reads = []
+                with trio.fail_after(DELIVERY_TIMEOUT_S):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(send_payload)
+                        for n in asked:
+                            reads.append((n, await connection.read(n)))
+                        while chunk := await connection.read(65_535):
+                            reads.append((65_535, chunk))
+                return reads
+
+    reads = trio.run(read_everything)
+    assert b"".join(data for _, data in reads) == payload
+    assert all(0 < len(data) <= (n or len(payload)) for n, data in reads)
