@@ -28,12 +28,11 @@ from merge.checkpoint import (
     CheckpointError,
     CheckpointFile,
     CheckpointManifest,
-    fsync_directory,
     iter_checkpoint_files,
     read_manifest,
-    write_bytes_atomically,
     write_manifest,
 )
+from protocol.durable import fsync_directory, write_bytes_atomically
 
 DEFAULT_REPO_ID = "skillswarm/agent"
 MAIN_REF = "main"

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from protocol.durable import write_bytes_atomically
+
 MANIFEST_FILE_NAME = "skillswarm_manifest.msgpack"
 MANIFEST_SCHEMA = "skillswarm.checkpoint/1"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
@@ -287,27 +289,3 @@ def read_manifest(folder: Path) -> CheckpointManifest:
     except FileNotFoundError as exc:
         raise CheckpointError(f"{folder} has no {MANIFEST_FILE_NAME}") from exc
     return CheckpointManifest.decode(raw)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a directory's entries (creations, renames) durable."""
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def write_bytes_atomically(target: Path, data: bytes) -> None:
-    """Write `data` to a temp file beside `target`, fsync, rename over `target`, fsync the dir."""
-    target = Path(target)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    try:
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
-    fsync_directory(target.parent)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from protocol.durable import fsync_directory
+
 __all__ = [
     "BlobCorrupted",
     "BlobNotFound",
@@ -216,7 +218,7 @@ class BlobStore:
         target.parent.mkdir(exist_ok=True)
         os.chmod(source, 0o644)
         os.replace(source, target)
-        _fsync_directory(target.parent)
+        fsync_directory(target.parent)
 
 
 def _remove_if_present(path: Path) -> bool:
@@ -225,11 +227,3 @@ def _remove_if_present(path: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

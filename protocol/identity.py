@@ -17,6 +17,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair as create_ed25519_key_pair
 from libp2p.crypto.keys import KeyPair, KeyType, PrivateKey, PublicKey
 from libp2p.peer.id import ID
 
+from protocol.durable import fsync_directory
+
 __all__ = [
     "IdentityError",
     "KeyPair",
@@ -166,16 +168,8 @@ def _write_new_identity(path: Path, serialized_private_key: bytes) -> bool:
             if path.exists():
                 return False
             os.replace(temp_name, path)
-        _fsync_directory(path.parent)
+        fsync_directory(path.parent)
         return True
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp_name)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -33,11 +33,11 @@ from merge.checkpoint import (
     CheckpointError,
     CheckpointFile,
     CheckpointManifest,
-    fsync_directory,
     sha256_of_file,
     validate_relative_path,
     write_manifest,
 )
+from protocol.durable import fsync_directory
 
 DEFAULT_REPO_ID = "skillswarm/agent"
 PARTIAL_DIR_NAME = ".partial"
