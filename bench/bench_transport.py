@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import ipaddress
 import multiprocessing
 import os
@@ -71,6 +70,7 @@ def serve_blob_with_swarm_host(control: Connection, size: int, root: str) -> Non
 
 
 def transfer_blob(size: int, root: Path) -> Transfer:
+    from merge.checkpoint import sha256_of_file
     from protocol.blobstore import BlobStore
     from protocol.host import SwarmHost
     from protocol.identity import load_or_create_identity
@@ -85,7 +85,7 @@ def transfer_blob(size: int, root: Path) -> Transfer:
             server_id = client.connect(address)
             with _measured(control) as measure:
                 path = client.fetch_blob(server_id, sha256, size)
-            assert _sha256_of_file(path) == sha256
+            assert sha256_of_file(path) == sha256
         assert control.recv() == size, "the server did not send exactly one blob"
     finally:
         _stop_server(server)
@@ -311,14 +311,6 @@ def _stop_server(server: multiprocessing.Process) -> None:
     if server.is_alive():
         server.kill()
         server.join()
-
-
-def _sha256_of_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as blob_file:
-        while chunk := blob_file.read(MIB):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def main() -> None:

@@ -22,16 +22,20 @@ from protocol.manifest import SignedManifest, sign_manifest
 from protocol.messages import DeltaAnnounced, encode_message
 
 
+def _config(tmp_path: Path, tiny_base: Path, **fields) -> CoordinatorConfig:
+    """A loopback coordinator on the shared base, with a cheap evaluation; `fields` override."""
+    defaults = {
+        "work_dir": tmp_path / "coord",
+        "p2p_port": 0,
+        "base_checkpoint": tiny_base,
+        "eval": EvalConfig(n_tasks=2),
+    }
+    return CoordinatorConfig(**(defaults | fields))
+
+
 @pytest.fixture
 def coordinator(tmp_path: Path, tiny_base: Path):
-    config = CoordinatorConfig(
-        work_dir=tmp_path / "coord",
-        p2p_port=0,
-        base_checkpoint=tiny_base,
-        round=RoundPolicy(min_deltas=2),
-        eval=EvalConfig(n_tasks=2),
-    )
-    c = Coordinator(config)
+    c = Coordinator(_config(tmp_path, tiny_base, round=RoundPolicy(min_deltas=2)))
     c.start()
     yield c
     c.stop()
@@ -43,6 +47,12 @@ def _peer(tmp_path: Path, name: str, topic: str):
     host = SwarmHost(key, store, topic=topic)
     host.start()
     return key, store, host
+
+
+def _join(host: SwarmHost, c: Coordinator) -> None:
+    """Dial the coordinator and wait until both sit in the gossip mesh."""
+    host.connect(c.host.listen_addrs[0])
+    host.wait_for_peers_in_topic(1, timeout=30)
 
 
 def _delta_for(key, store: BlobStore, base_dir: Path, base_id: str, scale: float = 1e-3):
@@ -89,8 +99,7 @@ def test_forged_and_misattributed_deltas_refused_honest_one_accepted(tmp_path, c
     mallory_key, mallory_store, mallory = _peer(tmp_path, "mallory", c.config.topic)
     try:
         for host in (alice, mallory):
-            host.connect(c.host.listen_addrs[0])
-            host.wait_for_peers_in_topic(1, timeout=30)
+            _join(host, c)
 
         # 1. Mallory relays Alice's validly signed delta as her own announcement.
         alice_manifest = _delta_for(alice_key, alice_store, base_dir, base.id)
@@ -152,8 +161,7 @@ def test_delta_against_wrong_base_or_with_nan_refused(tmp_path, coordinator):
     base_dir = c.registry.checkpoint_dir(base)
     key, store, peer = _peer(tmp_path, "bob", c.config.topic)
     try:
-        peer.connect(c.host.listen_addrs[0])
-        peer.wait_for_peers_in_topic(1, timeout=30)
+        _join(peer, c)
         stale = sign_manifest(_delta_for(key, store, base_dir, "00" * 32), key)
         _announce(peer, stale)
         record = _wait_record(c, stale.manifest_id)
@@ -185,19 +193,11 @@ def test_delta_against_wrong_base_or_with_nan_refused(tmp_path, coordinator):
 
 
 def test_replayed_manifest_from_an_earlier_round_is_refused(tmp_path, tiny_base):
-    config = CoordinatorConfig(
-        work_dir=tmp_path / "coord",
-        p2p_port=0,
-        base_checkpoint=tiny_base,
-        round=RoundPolicy(min_deltas=1),
-        eval=EvalConfig(n_tasks=2),
-    )
-    c = Coordinator(config)
+    c = Coordinator(_config(tmp_path, tiny_base, round=RoundPolicy(min_deltas=1)))
     c.start()
     key, store, peer = _peer(tmp_path, "carol", c.config.topic)
     try:
-        peer.connect(c.host.listen_addrs[0])
-        peer.wait_for_peers_in_topic(1, timeout=30)
+        _join(peer, c)
         base = c.current_base()
         manifest = _delta_for(key, store, c.registry.checkpoint_dir(base), base.id)
         for sha in manifest.blobs:
@@ -233,10 +233,7 @@ def test_replayed_manifest_from_an_earlier_round_is_refused(tmp_path, tiny_base)
 
 
 def test_garbage_collection_keeps_recent_rounds(tmp_path, tiny_base):
-    config = CoordinatorConfig(
-        work_dir=tmp_path / "coord", p2p_port=0, base_checkpoint=tiny_base, keep_rounds=1
-    )
-    c = Coordinator(config)
+    c = Coordinator(_config(tmp_path, tiny_base, keep_rounds=1))
     c.prepare()
     try:
         key = load_or_create_identity(tmp_path / "k.key")
@@ -271,18 +268,15 @@ def test_garbage_collection_keeps_recent_rounds(tmp_path, tiny_base):
 
 
 def test_peer_not_on_the_allow_list_is_refused_before_fetching(tmp_path, tiny_base):
-    config = CoordinatorConfig(
-        work_dir=tmp_path / "coord",
-        p2p_port=0,
-        base_checkpoint=tiny_base,
-        allowed_peers=["12D3KooWNotTheSenderAtAllxxxxxxxxxxxxxxxxxxxxxxxx"],
+    c = Coordinator(
+        _config(
+            tmp_path, tiny_base, allowed_peers=["12D3KooWNotTheSenderAtAllxxxxxxxxxxxxxxxxxxxxxxxx"]
+        )
     )
-    c = Coordinator(config)
     c.start()
     key, store, peer = _peer(tmp_path, "dave", c.config.topic)
     try:
-        peer.connect(c.host.listen_addrs[0])
-        peer.wait_for_peers_in_topic(1, timeout=30)
+        _join(peer, c)
         base = c.current_base()
         manifest = _delta_for(key, store, c.registry.checkpoint_dir(base), base.id)
         for sha in manifest.blobs:
