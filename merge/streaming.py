@@ -131,31 +131,24 @@ def merge_checkpoint(
     compute = spec.torch_dtype()
     parameters = spec.bound_parameters(names)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = weight_files(base_dir)
-    total = 0
-    for fname in files:
-        with safe_open(base_dir / fname, framework="pt") as f:
-            total += len(list(f.keys()))
-    done = 0
+    base_tensors = CheckpointTensors(base_dir)
+    with_base = spec.uses_base()
+    total, done = len(base_tensors.meta), 0
     torch.manual_seed(spec.seed)
-    for fname in files:
+    for fname, keys in base_tensors.files.items():
+        layout = [(key, *base_tensors.meta[key]) for key in keys]
+        writer = SafetensorsStreamWriter(out_dir / fname, layout)
         with safe_open(base_dir / fname, framework="pt") as f:
-            keys = list(f.keys())
-            layout = []
             for key in keys:
-                sl = f.get_slice(key)
-                layout.append((key, _dtype_from_st(sl.get_dtype()), tuple(sl.get_shape())))
-            writer = SafetensorsStreamWriter(out_dir / fname, layout)
-            for key, _dtype, _shape in layout:
                 base = f.get_tensor(key)
                 merged = _merge_one(
-                    key, base, experts, names, method, parameters, compute, spec.uses_base()
+                    key, base, experts, names, method, parameters, compute, with_base
                 )
                 writer.write(key, merged)
                 done += 1
                 if progress:
                     progress(done, total)
-            writer.close()
+        writer.close()
     for item in base_dir.iterdir():
         if (
             item.is_file()
@@ -227,10 +220,12 @@ class CheckpointTensors:
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
         self._where: dict[str, str] = {}
+        self.files: dict[str, list[str]] = {}  # file name -> its tensors, in file order
         self.meta: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         for fname in weight_files(self.folder):
             with safe_open(self.folder / fname, framework="pt") as f:
-                for key in f.keys():
+                self.files[fname] = list(f.keys())
+                for key in self.files[fname]:
                     sl = f.get_slice(key)
                     self._where[key] = fname
                     self.meta[key] = (_dtype_from_st(sl.get_dtype()), tuple(sl.get_shape()))
