@@ -1,34 +1,58 @@
-"""Multi-turn episodes: the policy writes assistant turns, tool calls run, tool results come back as
-`tool` messages rendered by the chat template, until a final answer or a limit. Generation is
-batched across live episodes with a KV cache; every sampled token keeps its behaviour logprob.
+"""The multi-turn rollout engine: many episodes at once, their assistant turns generated in batches
+by an inference backend, their tool calls run concurrently in worker threads with per-call
+timeouts, each episode re-joining generation as soon as its tool results are in. Episodes end on a
+final answer, the turn limit or the context budget; every token keeps what the trainer needs.
 
-Token invariant: an episode's `token_ids` are exactly what the model saw and sampled. The prompt and
-every environment segment are the tokenization of what the chat template adds to its previous
-rendering, appended after the sampled end-of-turn token (a special token, so tokenization restarts
-there). Decoding `token_ids` gives the rendering of `messages` up to the last end-of-turn token
-(assistant messages keep the raw generated text as `content`). When the sampled tokens are the
-tokenizer's own encoding of their text, as in forced or demonstration turns, `token_ids` equal the
-tokenization of that rendering (tested).
+Token invariant: a training sample's `token_ids` are exactly what the model saw and sampled. The
+prompt and every environment segment are the tokenization of what the chat template adds to its
+previous rendering, appended after the sampled end-of-turn token (a special token, so tokenization
+restarts there). With the `full` context policy an episode is one sample. With `drop_reasoning`,
+earlier turns' `<think>…</think>` spans are removed from later turns' context; whenever that
+rewrites the history, the next turn starts a new sample whose prompt is the rewritten rendering, so
+every sample is still exactly what the policy saw.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Sequence
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from node.envs.base import Environment, Message, Task
-from node.tools import execute_tool_calls, extract_final_answer, parse_tool_calls, tool_messages
+from node.envs.base import Environment, Message, Task, strip_reasoning
+from node.inference import (
+    DEFAULT_MAX_BATCH_SIZE,
+    Generation,
+    GenerationRequest,
+    HFBackend,
+    InferenceBackend,
+)
+from node.tools import (
+    TOOL_ERROR_PREFIX,
+    ToolCall,
+    ToolResult,
+    execute_tool_call,
+    parse_tool_calls,
+    tool_messages,
+)
+
+logger = logging.getLogger(__name__)
 
 PROMPT_TURN = -1
 DEFAULT_MAX_NEW_TOKENS = 96
 DEFAULT_MAX_TOTAL_TOKENS = 2048
-DEFAULT_MAX_BATCH_SIZE = 256
+DEFAULT_TOOL_WORKERS = 16
+DEFAULT_GATHER_WINDOW_S = 0.01
 SUCCESS_REWARD = 1.0
+
+ContextPolicy = Literal["full", "drop_reasoning"]
+CONTEXT_POLICIES: tuple[ContextPolicy, ...] = ("full", "drop_reasoning")
+Schedule = Literal["as_ready", "waves"]
 
 
 class TemplatePrefixError(RuntimeError):
@@ -37,12 +61,14 @@ class TemplatePrefixError(RuntimeError):
 
 @dataclass
 class ConversationTokens:
-    """Token-level record of a conversation: ids, behaviour logprobs, loss mask, turn of each."""
+    """Token-level record of one training sample: ids, behaviour logprobs, loss mask, the
+    assistant turn of each token and the policy version that sampled it (-1 on context)."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     turn_index: list[int] = field(default_factory=list)
+    policy_version: list[int] = field(default_factory=list)
 
     def add_context(self, ids: Sequence[int], turn: int) -> None:
         """Append tokens the policy did not sample (prompt, tool results, template glue)."""
@@ -50,8 +76,11 @@ class ConversationTokens:
         self.logprobs.extend([0.0] * len(ids))
         self.loss_mask.extend([0] * len(ids))
         self.turn_index.extend([turn] * len(ids))
+        self.policy_version.extend([-1] * len(ids))
 
-    def add_sampled(self, ids: Sequence[int], logprobs: Sequence[float], turn: int) -> None:
+    def add_sampled(
+        self, ids: Sequence[int], logprobs: Sequence[float], turn: int, version: int = 0
+    ) -> None:
         """Append tokens written by the policy (loss-bearing) with their behaviour logprobs."""
         if len(ids) != len(logprobs):
             raise ValueError(f"{len(ids)} sampled tokens but {len(logprobs)} logprobs")
@@ -59,17 +88,23 @@ class ConversationTokens:
         self.logprobs.extend(float(value) for value in logprobs)
         self.loss_mask.extend([1] * len(ids))
         self.turn_index.extend([turn] * len(ids))
+        self.policy_version.extend([version] * len(ids))
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(self.loss_mask)
 
 
 @dataclass
 class Episode:
-    """One played episode: the conversation, its outcome and its token-level training record.
+    """One played episode: the conversation, its outcome and its token-level training samples.
 
     `turn_index` is -1 on the prompt and k on assistant turn k's sampled tokens and on the tool
-    results that follow it. `finish_reason` is one of: answer, no_tool_call, max_turns (the turn
-    limit came with tool calls still pending; they are not run), length (the turn hit
-    max_new_tokens), context (the token budget is spent), stop_token (a stop token other than the
-    end-of-turn token). `rendered_text` is the text `token_ids` stand for, kept to append later
+    results that follow it. `turn_rewards[k]` is the environment's turn-level credit for turn k.
+    `finish_reason` is one of: answer, no_tool_call, max_turns (the turn limit came with tool
+    calls still pending; they are not run), length (the turn hit max_new_tokens), context (the
+    token budget is spent), stop_token (a stop token other than the end-of-turn token).
+    `rendered_text` is the text the current sample's tokens stand for, kept to append later
     turns exactly.
     """
 
@@ -77,34 +112,50 @@ class Episode:
     sample_index: int
     messages: list[Message]
     temperature: float
-    tokens: ConversationTokens = field(default_factory=ConversationTokens)
+    samples: list[ConversationTokens] = field(default_factory=lambda: [ConversationTokens()])
     final_answer: str | None = None
     reward: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)
     num_turns: int = 0
     num_tool_calls: int = 0
     num_tool_errors: int = 0
+    num_tool_timeouts: int = 0
     finish_reason: str = "running"
     rendered_text: str = ""
+    memory: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> ConversationTokens:
+        """The sample later turns append to (the only one under the `full` context policy)."""
+        return self.samples[-1]
+
+    def _single_sample(self) -> ConversationTokens:
+        if len(self.samples) != 1:
+            raise ValueError(
+                f"this episode has {len(self.samples)} training samples (its history was "
+                "rewritten); read `samples` instead of the whole-episode token fields"
+            )
+        return self.samples[0]
 
     @property
     def token_ids(self) -> list[int]:
-        return self.tokens.token_ids
+        return self._single_sample().token_ids
 
     @property
     def logprobs(self) -> list[float]:
-        return self.tokens.logprobs
+        return self._single_sample().logprobs
 
     @property
     def loss_mask(self) -> list[int]:
-        return self.tokens.loss_mask
+        return self._single_sample().loss_mask
 
     @property
     def turn_index(self) -> list[int]:
-        return self.tokens.turn_index
+        return self._single_sample().turn_index
 
     @property
     def num_sampled_tokens(self) -> int:
-        return sum(self.tokens.loss_mask)
+        return sum(sample.num_sampled_tokens for sample in self.samples)
 
     @property
     def done(self) -> bool:
@@ -185,210 +236,336 @@ def tokenize_demonstration(
     return record
 
 
+def context_messages(messages: Sequence[Message], policy: ContextPolicy) -> list[Message]:
+    """The history a later turn sees: everything (`full`), or with every assistant message's
+    `<think>…</think>` spans removed (`drop_reasoning`)."""
+    if policy == "full":
+        return list(messages)
+    visible: list[Message] = []
+    for message in messages:
+        content = message.get("content")
+        if message["role"] == "assistant" and isinstance(content, str) and "<think>" in content:
+            message = {**message, "content": strip_reasoning(content)}
+        visible.append(message)
+    return visible
+
+
 @dataclass
-class _TurnSample:
-    token_ids: list[int]
-    logprobs: list[float]
-    stop_token: int | None
+class _ToolJob:
+    """One tool call in flight: its future and when a worker started running it."""
+
+    episode: Episode
+    position: int
+    call: ToolCall
+    future: Future[ToolResult]
+    started: list[float]  # set by the worker; a list so the worker can write it
+    result: ToolResult | None = None
 
 
-def cache_keyword_for(model: PreTrainedModel) -> str:
-    """The keyword this transformers version's forward takes a KV cache under."""
-    parameters = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
+@dataclass
+class _PendingTurn:
+    """An episode waiting for the tool calls of its latest turn."""
+
+    episode: Episode
+    turn: int
+    jobs: list[_ToolJob]
 
 
-def common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
-    """Leading tokens all sequences share, leaving every sequence at least one token of its own."""
-    first = sequences[0]
-    limit = min(len(sequence) for sequence in sequences) - 1
-    length = 0
-    while length < limit and all(sequence[length] == first[length] for sequence in sequences):
-        length += 1
-    return length
+class RolloutEngine:
+    """Plays episodes of one environment with one inference backend.
 
+    `schedule="as_ready"` sends episodes back to generation as soon as their tool results are in
+    (tool latency overlaps with other episodes' generation; results arriving within
+    `gather_window_s` of the first share its batch); `"waves"` waits for all tool calls of a
+    round before the next batch, so seeded runs repeat exactly.
+    """
 
-@torch.inference_mode()
-def sample_continuations(
-    model: PreTrainedModel,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: Sequence[int],
-    *,
-    stop_token_ids: set[int],
-    pad_token_id: int,
-    temperature: float = 1.0,
-    greedy: bool = False,
-    generator: torch.Generator | None = None,
-) -> list[_TurnSample]:
-    """Sample one continuation per prompt with one batched KV cache. Each token's logprob is under
-    the sampling distribution (softmax of logits / temperature; greedy: temperature 1). A row stops
-    at a stop token or after its own `max_new_tokens`.
-
-    The prompts' common leading tokens (the system prompt, typically) are run once and shared;
-    each row's remaining tokens follow, left-padded, with position ids that skip the padding."""
-    batch = len(prompts)
-    device = next(model.parameters()).device
-    cache = DynamicCache(config=model.config)
-    cache_keyword = cache_keyword_for(model)
-    shared = common_prefix_length(prompts) if batch > 1 else 0
-    if shared < 2:
-        shared = 0
-    else:
-        model(
-            input_ids=torch.tensor([prompts[0][:shared]], dtype=torch.long, device=device),
-            attention_mask=torch.ones((1, shared), dtype=torch.long, device=device),
-            position_ids=torch.arange(shared, device=device).unsqueeze(0),
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_keyword: cache},
+    def __init__(
+        self,
+        backend: InferenceBackend,
+        env: Environment,
+        *,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        max_total_tokens: int | None = None,
+        context_policy: ContextPolicy = "full",
+        tool_workers: int = DEFAULT_TOOL_WORKERS,
+        schedule: Schedule = "as_ready",
+        gather_window_s: float = DEFAULT_GATHER_WINDOW_S,
+    ) -> None:
+        if max_new_tokens < 1 or tool_workers < 1:
+            raise ValueError("max_new_tokens and tool_workers must be positive")
+        if context_policy not in CONTEXT_POLICIES:
+            raise ValueError(
+                f"unknown context policy {context_policy!r}; expected one of "
+                + ", ".join(CONTEXT_POLICIES)
+            )
+        if schedule not in ("as_ready", "waves"):
+            raise ValueError(f"unknown schedule {schedule!r}; expected as_ready or waves")
+        tokenizer = backend.tokenizer
+        if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer needs eos (end of turn) and pad tokens for rollouts")
+        self.backend = backend
+        self.env = env
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.max_total_tokens = min(
+            max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS, backend.max_context_tokens
         )
-        cache.batch_repeat_interleave(batch)
-    rests = [prompt[shared:] for prompt in prompts]
-    width = max(len(rest) for rest in rests)
-    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    rest_mask = torch.zeros((batch, width), dtype=torch.long)
-    for row, rest in enumerate(rests):
-        input_ids[row, width - len(rest) :] = torch.tensor(rest, dtype=torch.long)
-        rest_mask[row, width - len(rest) :] = 1
-    input_ids, rest_mask = input_ids.to(device), rest_mask.to(device)
-    position_ids = (shared + rest_mask.cumsum(-1) - 1).clamp(min=0)
-    attention_mask = torch.cat(
-        [torch.ones((batch, shared), dtype=torch.long, device=device), rest_mask], dim=-1
-    )
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=True,
-        logits_to_keep=1,
-        **{cache_keyword: cache},
-    ).logits[:, -1, :]
-    next_position = position_ids[:, -1] + 1
-    samples = [_TurnSample([], [], None) for _ in prompts]
-    rows = list(range(batch))  # original row of each batch position still in the cache
-    finished_in_batch = 0
-    limits = list(max_new_tokens)
-    live = [limit > 0 for limit in limits]
-    while any(live[row] for row in rows):
-        scores = logits.float() if greedy else logits.float() / temperature
-        log_probs = torch.log_softmax(scores, dim=-1)
-        if greedy:
-            tokens = log_probs.argmax(dim=-1)
+        self.context_policy = context_policy
+        self.tool_workers = tool_workers
+        self.schedule = schedule
+        self.gather_window_s = gather_window_s
+        self.tools = env.tool_schemas()
+        self.abandoned_tool_calls = 0
+
+    def play(
+        self,
+        tasks: Sequence[Task],
+        *,
+        samples_per_task: int = 1,
+        temperature: float = 1.0,
+        greedy: bool = False,
+        seed: int | None = None,
+        on_episode_done: Callable[[Episode], None] | None = None,
+    ) -> list[Episode]:
+        """Play `samples_per_task` episodes of every task (in task order) and score them."""
+        if not greedy and temperature <= 0:
+            raise ValueError("temperature must be positive when sampling; pass greedy=True instead")
+        if samples_per_task < 1:
+            raise ValueError("samples_per_task must be positive")
+        rng = random.Random(seed if seed is not None else random.SystemRandom().getrandbits(62))
+        episodes = [
+            self._start_episode(task, sample_index, 1.0 if greedy else temperature)
+            for task in tasks
+            for sample_index in range(samples_per_task)
+        ]
+        bound_tools = {task.id: self.env.bind_tools(task) for task in tasks}
+        executor = ThreadPoolExecutor(self.tool_workers, thread_name_prefix="tool")
+        pending: list[_PendingTurn] = []
+        ready = [episode for episode in episodes if not episode.done]
+        try:
+            while ready or pending:
+                if ready:
+                    generations = self.backend.generate(
+                        [self._request(episode) for episode in ready],
+                        temperature=temperature,
+                        greedy=greedy,
+                        seed=rng.getrandbits(62),
+                    )
+                    for episode, generation in zip(ready, generations, strict=True):
+                        calls = self._record_turn(episode, generation)
+                        if calls:
+                            pending.append(
+                                self._submit_calls(executor, episode, calls, bound_tools)
+                            )
+                    ready = []
+                if pending:
+                    block = self.schedule == "waves" or not ready
+                    executor = self._collect(executor, pending, ready, block=block)
+                ready = [episode for episode in ready if not episode.done]
+            self._score(episodes, executor, on_episode_done)
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+        return episodes
+
+    def _start_episode(self, task: Task, sample_index: int, temperature: float) -> Episode:
+        messages = self.env.initial_messages(task)
+        episode = Episode(
+            task=task,
+            sample_index=sample_index,
+            messages=messages,
+            temperature=temperature,
+            memory=self.env.new_episode_memory(task),
+        )
+        prompt_text = render_conversation(self.tokenizer, messages, self.tools, True)
+        episode.tokens.add_context(encode_text(self.tokenizer, prompt_text), PROMPT_TURN)
+        episode.rendered_text = prompt_text
+        if len(episode.tokens.token_ids) >= self.max_total_tokens:
+            episode.finish_reason = "context"
+        return episode
+
+    def _request(self, episode: Episode) -> GenerationRequest:
+        budget = min(self.max_new_tokens, self.max_total_tokens - len(episode.tokens.token_ids))
+        return GenerationRequest(
+            prompt_ids=episode.tokens.token_ids,
+            max_new_tokens=budget,
+            task=episode.task,
+            turn=episode.num_turns,
+        )
+
+    def _record_turn(self, episode: Episode, generation: Generation) -> list[ToolCall]:
+        """Record one sampled assistant turn; return its tool calls to run (empty when the
+        episode ended)."""
+        turn = episode.num_turns
+        episode.num_turns += 1
+        episode.turn_rewards.append(0.0)
+        episode.tokens.add_sampled(
+            generation.token_ids, generation.logprobs, turn, self.backend.policy_version
+        )
+        stopped = generation.stop_token is not None
+        content_ids = generation.token_ids[:-1] if stopped else generation.token_ids
+        content = self.tokenizer.decode(content_ids, skip_special_tokens=False)
+        episode.messages.append({"role": "assistant", "content": content})
+        episode.rendered_text += self.tokenizer.decode(
+            generation.token_ids, skip_special_tokens=False
+        )
+        if not stopped:
+            episode.finish_reason = (
+                "context" if len(episode.tokens.token_ids) >= self.max_total_tokens else "length"
+            )
+            return []
+        if generation.stop_token != self.tokenizer.eos_token_id:
+            episode.finish_reason = "stop_token"
+            return []
+        answer = self.env.final_answer(content)
+        if answer is not None:
+            episode.final_answer = answer
+            episode.finish_reason = "answer"
+            return []
+        calls = parse_tool_calls(content)
+        if not calls:
+            episode.finish_reason = "no_tool_call"
+            return []
+        if episode.num_turns >= self.env.max_turns:
+            episode.finish_reason = "max_turns"
+            return []
+        return calls
+
+    def _submit_calls(
+        self,
+        executor: ThreadPoolExecutor,
+        episode: Episode,
+        calls: list[ToolCall],
+        bound_tools: dict[str, dict[str, Callable[..., Any]]],
+    ) -> _PendingTurn:
+        tools = bound_tools[episode.task.id]
+        limit = self.env.max_tool_output_chars
+        jobs: list[_ToolJob] = []
+        for position, call in enumerate(calls):
+            started: list[float] = []
+
+            def run(call: ToolCall = call, started: list[float] = started) -> ToolResult:
+                started.append(time.monotonic())
+                return execute_tool_call(call, tools, max_chars=limit)
+
+            jobs.append(_ToolJob(episode, position, call, executor.submit(run), started))
+        return _PendingTurn(episode, episode.num_turns - 1, jobs)
+
+    def _collect(
+        self,
+        executor: ThreadPoolExecutor,
+        pending: list[_PendingTurn],
+        ready: list[Episode],
+        *,
+        block: bool,
+    ) -> ThreadPoolExecutor:
+        """Move finished or timed-out tool calls into their episodes; episodes whose turn is
+        complete join `ready`. With `block`, wait for at least one turn (waves: all of them).
+        Returns the executor to use next (a fresh one when too many workers are stuck)."""
+        timeout_s = self.env.tool_timeout_s
+        gather_until: float | None = None
+        while True:
+            now = time.monotonic()
+            waiting: list[Future[ToolResult]] = []
+            next_deadline = now + timeout_s
+            for turn in pending:
+                for job in turn.jobs:
+                    if job.result is not None:
+                        continue
+                    if job.future.done():
+                        job.result = job.future.result()
+                    elif job.started and now - job.started[0] >= timeout_s:
+                        job.result = ToolResult(
+                            job.call,
+                            f"{TOOL_ERROR_PREFIX}{job.call.name} timed out after {timeout_s:g} s",
+                            is_error=True,
+                        )
+                        job.episode.num_tool_timeouts += 1
+                        self.abandoned_tool_calls += 1
+                    else:
+                        waiting.append(job.future)
+                        if job.started:
+                            next_deadline = min(next_deadline, job.started[0] + timeout_s)
+            completed = [turn for turn in pending if all(job.result for job in turn.jobs)]
+            for turn in completed:
+                pending.remove(turn)
+                self._finish_tools(turn)
+                if not turn.episode.done:
+                    ready.append(turn.episode)
+            if self.abandoned_tool_calls >= max(1, self.tool_workers // 2):
+                logger.warning(
+                    "%d tool calls overran their %g s limit and still hold worker threads; "
+                    "starting a fresh tool pool",
+                    self.abandoned_tool_calls,
+                    timeout_s,
+                )
+                executor.shutdown(wait=False, cancel_futures=False)
+                executor = ThreadPoolExecutor(self.tool_workers, thread_name_prefix="tool")
+                self.abandoned_tool_calls = 0
+            if not pending or not block:
+                return executor
+            wait_s = next_deadline - time.monotonic()
+            if self.schedule == "as_ready" and ready:
+                # Give calls finishing at nearly the same moment a short window to join the batch.
+                if gather_until is None:
+                    gather_until = time.monotonic() + self.gather_window_s
+                remaining = gather_until - time.monotonic()
+                if remaining <= 0:
+                    return executor
+                wait_s = min(wait_s, remaining)
+            wait(waiting, timeout=max(0.0, wait_s) + 0.001, return_when=FIRST_COMPLETED)
+
+    def _finish_tools(self, turn: _PendingTurn) -> None:
+        """Append a turn's tool results to its episode (or end it on the context budget)."""
+        episode = turn.episode
+        results = [job.result for job in turn.jobs if job.result is not None]
+        episode.num_tool_calls += len(results)
+        episode.num_tool_errors += sum(result.is_error for result in results)
+        episode.turn_rewards[turn.turn] += float(
+            self.env.turn_reward(episode.task, results, episode.memory)
+        )
+        results_messages = tool_messages(results)
+        episode.messages.extend(results_messages)
+        visible = context_messages(episode.messages, self.context_policy)
+        full_text = render_conversation(self.tokenizer, visible, self.tools, True)
+        if full_text.startswith(episode.rendered_text):
+            suffix_ids = encode_text(self.tokenizer, full_text[len(episode.rendered_text) :])
+            if len(episode.tokens.token_ids) + len(suffix_ids) >= self.max_total_tokens:
+                episode.finish_reason = "context"
+                return
+            episode.tokens.add_context(suffix_ids, turn.turn)
+        elif self.context_policy == "drop_reasoning":
+            prompt_ids = encode_text(self.tokenizer, full_text)
+            if len(prompt_ids) >= self.max_total_tokens:
+                episode.finish_reason = "context"
+                return
+            rewritten = ConversationTokens()
+            rewritten.add_context(prompt_ids, PROMPT_TURN)
+            episode.samples.append(rewritten)
         else:
-            tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
-        token_log_probs = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
-        for position, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
-            if not live[row]:
-                continue
-            samples[row].token_ids.append(token)
-            samples[row].logprobs.append(token_log_probs[position])
-            if token in stop_token_ids:
-                samples[row].stop_token = token
-            if token in stop_token_ids or len(samples[row].token_ids) >= limits[row]:
-                live[row] = False
-                finished_in_batch += 1
-        if not any(live[row] for row in rows):
-            break
-        if finished_in_batch * 4 >= len(rows):
-            keep = [position for position, row in enumerate(rows) if live[row]]
-            keep_index = torch.tensor(keep, dtype=torch.long, device=device)
-            cache.batch_select_indices(keep_index)
-            rows = [rows[position] for position in keep]
-            tokens = tokens[keep_index]
-            attention_mask = attention_mask[keep_index]
-            next_position = next_position[keep_index]
-            finished_in_batch = 0
-        attention_mask = torch.cat(
-            [attention_mask, torch.ones((len(rows), 1), dtype=attention_mask.dtype, device=device)],
-            dim=-1,
-        )
-        logits = model(
-            input_ids=tokens.unsqueeze(-1),
-            attention_mask=attention_mask,
-            position_ids=next_position.unsqueeze(-1),
-            use_cache=True,
-            **{cache_keyword: cache},
-        ).logits[:, -1, :]
-        next_position = next_position + 1
-    return samples
+            raise TemplatePrefixError(
+                "the chat template renders earlier turns differently once later turns are "
+                "added; multi-turn token records need a template whose renderings extend "
+                "each other"
+            )
+        episode.rendered_text = full_text
 
-
-def _stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    stop = {tokenizer.eos_token_id}
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    if isinstance(configured, int):
-        stop.add(configured)
-    elif configured:
-        stop.update(configured)
-    return {token for token in stop if token is not None}
-
-
-def _start_episode(
-    tokenizer: PreTrainedTokenizerBase,
-    env: Environment,
-    task: Task,
-    sample_index: int,
-    temperature: float,
-    tools: list[dict[str, Any]],
-) -> Episode:
-    messages = env.initial_messages(task)
-    episode = Episode(
-        task=task, sample_index=sample_index, messages=messages, temperature=temperature
-    )
-    prompt_text = render_conversation(tokenizer, messages, tools, add_generation_prompt=True)
-    episode.tokens.add_context(encode_text(tokenizer, prompt_text), PROMPT_TURN)
-    episode.rendered_text = prompt_text
-    return episode
-
-
-def _finish_turn(
-    episode: Episode,
-    sample: _TurnSample,
-    env: Environment,
-    tokenizer: PreTrainedTokenizerBase,
-    tools: list[dict[str, Any]],
-    max_total_tokens: int,
-) -> None:
-    """Record one sampled assistant turn, run its tool calls and append their results, or end."""
-    turn = episode.num_turns
-    episode.num_turns += 1
-    episode.tokens.add_sampled(sample.token_ids, sample.logprobs, turn)
-    content_ids = sample.token_ids[:-1] if sample.stop_token is not None else sample.token_ids
-    content = tokenizer.decode(content_ids, skip_special_tokens=False)
-    episode.messages.append({"role": "assistant", "content": content})
-    episode.rendered_text += tokenizer.decode(sample.token_ids, skip_special_tokens=False)
-    if sample.stop_token is None:
-        episode.finish_reason = "length"
-        return
-    if sample.stop_token != tokenizer.eos_token_id:
-        episode.finish_reason = "stop_token"
-        return
-    answer = extract_final_answer(content)
-    if answer is not None:
-        episode.final_answer = answer
-        episode.finish_reason = "answer"
-        return
-    calls = parse_tool_calls(content)
-    if not calls:
-        episode.finish_reason = "no_tool_call"
-        return
-    if episode.num_turns >= env.max_turns:
-        episode.finish_reason = "max_turns"
-        return
-    results = execute_tool_calls(calls, env.tools_by_name())
-    episode.num_tool_calls += len(results)
-    episode.num_tool_errors += sum(result.is_error for result in results)
-    results_messages = tool_messages(results)
-    suffix = rendered_suffix(
-        tokenizer, episode.messages + results_messages, tools, episode.rendered_text
-    )
-    suffix_ids = encode_text(tokenizer, suffix)
-    if len(episode.token_ids) + len(suffix_ids) >= max_total_tokens:
-        episode.finish_reason = "context"
-        return
-    episode.messages.extend(results_messages)
-    episode.tokens.add_context(suffix_ids, turn)
-    episode.rendered_text += suffix
+    def _score(
+        self,
+        episodes: list[Episode],
+        executor: ThreadPoolExecutor,
+        on_episode_done: Callable[[Episode], None] | None,
+    ) -> None:
+        """Final rewards, computed concurrently (a reward may run code, as in the code domain)."""
+        futures = {
+            executor.submit(self.env.reward, episode.task, episode.final_answer): episode
+            for episode in episodes
+        }
+        for future in futures:
+            episode = futures[future]
+            episode.reward = float(future.result())
+            if on_episode_done is not None:
+                on_episode_done(episode)
 
 
 def play_episodes(
@@ -404,56 +581,27 @@ def play_episodes(
     seed: int | None = None,
     max_total_tokens: int | None = None,
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    context_policy: ContextPolicy = "full",
 ) -> list[Episode]:
-    """Play `samples_per_task` episodes of every task, generating each round of assistant turns
-    for all live episodes in batches, and score them with the environment's reward."""
-    if not greedy and temperature <= 0:
-        raise ValueError("temperature must be positive when sampling; pass greedy=True instead")
-    if samples_per_task < 1 or max_new_tokens < 1 or max_batch_size < 1:
+    """Play `samples_per_task` episodes of every task with a transformers model, in waves (so a
+    seeded run repeats exactly), and score them with the environment's reward."""
+    if max_new_tokens < 1 or max_batch_size < 1:
         raise ValueError("samples_per_task, max_new_tokens and max_batch_size must be positive")
-    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer needs eos (end of turn) and pad tokens for rollouts")
-    context_limit = getattr(model.config, "max_position_embeddings", DEFAULT_MAX_TOTAL_TOKENS)
-    max_total_tokens = min(max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS, context_limit)
-    generator = torch.Generator()
-    generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
-    tools = env.tool_schemas()
-    stop_token_ids = _stop_token_ids(model, tokenizer)
-    episodes = [
-        _start_episode(tokenizer, env, task, sample_index, 1.0 if greedy else temperature, tools)
-        for task in tasks
-        for sample_index in range(samples_per_task)
-    ]
-    for episode in episodes:
-        if len(episode.token_ids) >= max_total_tokens:
-            episode.finish_reason = "context"
-    was_training = model.training
-    model.eval()
-    try:
-        while live := [episode for episode in episodes if not episode.done]:
-            for start in range(0, len(live), max_batch_size):
-                chunk = live[start : start + max_batch_size]
-                budgets = [
-                    min(max_new_tokens, max_total_tokens - len(episode.token_ids))
-                    for episode in chunk
-                ]
-                samples = sample_continuations(
-                    model,
-                    [episode.token_ids for episode in chunk],
-                    budgets,
-                    stop_token_ids=stop_token_ids,
-                    pad_token_id=tokenizer.pad_token_id,
-                    temperature=temperature,
-                    greedy=greedy,
-                    generator=generator,
-                )
-                for episode, sample in zip(chunk, samples, strict=True):
-                    _finish_turn(episode, sample, env, tokenizer, tools, max_total_tokens)
-    finally:
-        model.train(was_training)
-    for episode in episodes:
-        episode.reward = env.reward(episode.task, episode.final_answer)
-    return episodes
+    engine = RolloutEngine(
+        HFBackend(model, tokenizer, max_batch_size=max_batch_size),
+        env,
+        max_new_tokens=max_new_tokens,
+        max_total_tokens=max_total_tokens,
+        context_policy=context_policy,
+        schedule="waves",
+    )
+    return engine.play(
+        tasks,
+        samples_per_task=samples_per_task,
+        temperature=temperature,
+        greedy=greedy,
+        seed=seed,
+    )
 
 
 def summarize_episodes(episodes: Sequence[Episode]) -> dict[str, float]:

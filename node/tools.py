@@ -18,6 +18,7 @@ TOOL_CALL_CLOSE = "</tool_call>"
 # A tool reports failure by returning a string with this prefix; the executor uses it too.
 TOOL_ERROR_PREFIX = "Error: "
 MAX_TOOL_RESULT_CHARS = 2000
+TRUNCATION_MARKER = " …[truncated]"
 
 _TOOL_CALL_PATTERN = re.compile(
     re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.DOTALL
@@ -97,8 +98,14 @@ def _argument_error(function: Callable[..., Any], arguments: dict[str, Any]) -> 
     return None
 
 
-def execute_tool_call(call: ToolCall, tools: Mapping[str, Callable[..., Any]]) -> ToolResult:
-    """Run one call; parse errors, unknown tools, bad arguments and exceptions become errors."""
+def execute_tool_call(
+    call: ToolCall,
+    tools: Mapping[str, Callable[..., Any]],
+    *,
+    max_chars: int = MAX_TOOL_RESULT_CHARS,
+) -> ToolResult:
+    """Run one call; parse errors, unknown tools, bad arguments and exceptions become errors.
+    Output longer than `max_chars` is cut there and marked as truncated."""
     if call.parse_error is not None:
         return ToolResult(call, TOOL_ERROR_PREFIX + call.parse_error, is_error=True)
     assert call.name is not None and call.arguments is not None
@@ -117,16 +124,9 @@ def execute_tool_call(call: ToolCall, tools: Mapping[str, Callable[..., Any]]) -
         message = f"{call.name} raised {type(error).__name__}: {error}"
         return ToolResult(call, TOOL_ERROR_PREFIX + message, is_error=True)
     content = output if isinstance(output, str) else json.dumps(output, default=str)
-    if len(content) > MAX_TOOL_RESULT_CHARS:
-        content = content[:MAX_TOOL_RESULT_CHARS] + " …[truncated]"
+    if len(content) > max_chars:
+        content = content[:max_chars] + TRUNCATION_MARKER
     return ToolResult(call, content, is_error=content.startswith(TOOL_ERROR_PREFIX))
-
-
-def execute_tool_calls(
-    calls: list[ToolCall], tools: Mapping[str, Callable[..., Any]]
-) -> list[ToolResult]:
-    """Run calls in order."""
-    return [execute_tool_call(call, tools) for call in calls]
 
 
 def tool_messages(results: list[ToolResult]) -> list[dict[str, Any]]:
@@ -144,3 +144,13 @@ def extract_final_answer(text: str) -> str | None:
     """The text inside the last `<answer>…</answer>`, stripped; None when there is none."""
     matches = _ANSWER_PATTERN.findall(text)
     return matches[-1].strip() if matches else None
+
+
+def execute_tool_calls(
+    calls: list[ToolCall],
+    tools: Mapping[str, Callable[..., Any]],
+    *,
+    max_chars: int = MAX_TOOL_RESULT_CHARS,
+) -> list[ToolResult]:
+    """Run calls one after another (the rollout engine runs them concurrently instead)."""
+    return [execute_tool_call(call, tools, max_chars=max_chars) for call in calls]

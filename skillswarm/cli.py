@@ -1,4 +1,5 @@
-"""The `skillswarm` command: demo, node run, coordinator serve, pull, version."""
+"""The `skillswarm` command: demo, node run, coordinator serve, pull, bootstrap, train,
+env list/try, serve-model, version."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ app = typer.Typer(
     help="Decentralized post-training of tool-using LLM agents.", no_args_is_help=True
 )
 node_app = typer.Typer(help="Run a training node.", no_args_is_help=True)
+env_app = typer.Typer(help="List the skill environments and watch episodes.", no_args_is_help=True)
 coordinator_app = typer.Typer(help="Run the merge coordinator service.", no_args_is_help=True)
 app.add_typer(node_app, name="node")
 app.add_typer(coordinator_app, name="coordinator")
+app.add_typer(env_app, name="env")
 console = Console(stderr=True)
 
 ConfigOption = Annotated[
@@ -99,6 +102,160 @@ def pull_command(
         _fail(exc)
         return
     typer.echo(str(path))
+
+
+@env_app.command("list")
+def env_list() -> None:
+    """The registered environments: domain, tools, turn limit, description."""
+    from skillswarm.envview import environments_table
+
+    Console().print(environments_table())
+
+
+@env_app.command("try")
+def env_try(
+    domain: Annotated[str, typer.Argument(help="environment name, see `skillswarm env list`")],
+    n: Annotated[int, typer.Option("--n", min=1, max=1000, help="episodes to play")] = 5,
+    model: Annotated[
+        Path | None, typer.Option(help="a Hugging Face model folder to play the episodes")
+    ] = None,
+    solver: Annotated[
+        bool, typer.Option("--solver", help="play the environment's solver (the default)")
+    ] = False,
+    split: Annotated[str, typer.Option(help="train or heldout")] = "heldout",
+    seed: int = 0,
+    temperature: Annotated[float, typer.Option(min=0.01)] = 1.0,
+    greedy: bool = False,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
+) -> None:
+    """Play N episodes of DOMAIN with a model (or the solver) and show them turn by turn."""
+    from node.envs import UnknownEnvironmentError
+    from node.envs.base import InvalidSplitError
+    from node.model import CheckpointLoadError
+    from skillswarm.envview import play_for_viewing, print_episode, summary_table
+
+    if solver and model is not None:
+        _fail(ValueError("give either --model PATH or --solver, not both"))
+    out = Console()
+    try:
+        episodes = play_for_viewing(
+            domain,
+            n,
+            model_path=model,
+            split=split,
+            seed=seed,
+            temperature=temperature,
+            greedy=greedy,
+            max_new_tokens=max_new_tokens,
+        )
+    except (UnknownEnvironmentError, InvalidSplitError, CheckpointLoadError) as exc:
+        _fail(exc)
+        return
+    for index, episode in enumerate(episodes):
+        print_episode(out, index, episode)
+    out.print(summary_table(episodes))
+
+
+@app.command()
+def bootstrap(
+    out: Annotated[Path, typer.Argument(help="folder for the base model")] = Path("runs/base"),
+    steps: Annotated[int, typer.Option(min=0, help="supervised warm-start steps")] = 220,
+    domains: Annotated[str, typer.Option(help="comma-separated domains")] = "math,code,search",
+    seed: int = 0,
+    eval_tasks: Annotated[int, typer.Option(min=0, help="held-out tasks per domain; 0: skip")] = 64,
+) -> None:
+    """Build the embedded base: tiny model and tokenizer, warm-started on solver demonstrations."""
+    from node.envs import UnknownEnvironmentError
+    from node.evaluate import evaluate_checkpoint
+    from node.model import create_base_checkpoint
+
+    chosen = [domain.strip() for domain in domains.split(",") if domain.strip()]
+    try:
+        console.print(f"building the base on {', '.join(chosen)} ({steps} warm-start steps)…")
+        path = create_base_checkpoint(out, seed=seed, warm_start_steps=steps, domains=chosen)
+    except UnknownEnvironmentError as exc:
+        _fail(exc)
+        return
+    for domain in chosen if eval_tasks else []:
+        result = evaluate_checkpoint(path, domain, n_tasks=eval_tasks)
+        typer.echo(
+            f"{domain}: held-out success {result.success_rate:.1%} "
+            f"(mean reward {result.mean_reward:.3f}, n={result.n}, greedy)"
+        )
+    typer.echo(str(path))
+
+
+@app.command()
+def train(
+    base: Annotated[Path, typer.Option(help="model folder to start from")],
+    domain: Annotated[str, typer.Option(help="environment to train on")] = "math",
+    out: Annotated[Path, typer.Option(help="run folder; an existing run there is resumed")] = Path(
+        "runs/train"
+    ),
+    config: ConfigOption = None,
+    steps: Annotated[int | None, typer.Option(min=1)] = None,
+    max_staleness: Annotated[int | None, typer.Option(min=0)] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(min=0)] = None,
+    eval_tasks: Annotated[int, typer.Option(min=0, help="held-out tasks before/after")] = 128,
+    torch_threads: Annotated[int, typer.Option(min=1)] = 1,
+    verbose: bool = False,
+) -> None:
+    """RL on one domain with the asynchronous trainer; resumable, with metrics and curves."""
+    from node.envs import UnknownEnvironmentError
+    from node.model import CheckpointLoadError
+    from node.pipeline import RLConfig
+    from node.runner import run_training
+    from protocol.tomlconfig import ConfigFileError, load_toml_config
+
+    _logging(verbose)
+    try:
+        rl = load_toml_config(config, RLConfig) if config else RLConfig(checkpoint_every=1)
+        overrides = {
+            key: value
+            for key, value in (
+                ("steps", steps),
+                ("max_staleness", max_staleness),
+                ("checkpoint_every", checkpoint_every),
+            )
+            if value is not None
+        }
+        rl = RLConfig.model_validate({**rl.model_dump(), **overrides})
+        outcome = run_training(
+            base, domain, out, rl, eval_tasks=eval_tasks, torch_threads=torch_threads
+        )
+    except (ConfigFileError, UnknownEnvironmentError, CheckpointLoadError, ValueError) as exc:
+        _fail(exc)
+        return
+    if outcome.stopped_early:
+        typer.echo(f"stopped after step {outcome.steps_done}; run again to resume")
+        raise typer.Exit(0)
+    if outcome.before and outcome.after:
+        typer.echo(
+            f"{domain}: held-out success {outcome.before.success_rate:.1%} -> "
+            f"{outcome.after.success_rate:.1%} ({outcome.steps_done} steps, "
+            f"{outcome.seconds:.0f} s)"
+        )
+    typer.echo(str(outcome.out_dir))
+
+
+@app.command("serve-model")
+def serve_model(
+    model: Annotated[Path, typer.Argument(help="a Hugging Face model folder")],
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    api_key_env: Annotated[
+        str | None, typer.Option(help="environment variable holding the bearer token to require")
+    ] = None,
+) -> None:
+    """Serve a local model over an OpenAI-compatible API (for sub-agent tools and judges)."""
+    import os
+
+    from node.openai_server import serve
+
+    api_key = os.environ.get(api_key_env) if api_key_env else None
+    if api_key_env and not api_key:
+        _fail(ValueError(f"environment variable {api_key_env} is not set"))
+    serve(model, host=host, port=port, api_key=api_key)
 
 
 @app.command()

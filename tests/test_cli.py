@@ -29,7 +29,7 @@ def test_version_and_help():
     assert result.returncode == 0
     assert result.stdout.strip() == f"skillswarm {skillswarm.__version__}"
     helped = _cli("--help")
-    for command in ("demo", "node", "coordinator", "pull", "version"):
+    for command in ("demo", "node", "coordinator", "pull", "version", "env", "serve-model"):
         assert command in helped.stdout
 
 
@@ -59,3 +59,27 @@ def test_config_round_trip_and_unknown_fields(tmp_path: Path):
     (tmp_path / "method.toml").write_text('[merge]\nmethod = "nope"\n')
     with pytest.raises(ConfigFileError, match="unknown merge method"):
         load_toml_config(tmp_path / "method.toml", CoordinatorConfig)
+
+
+def test_env_list_and_try_with_the_solver():
+    listed = _cli("env", "list")
+    assert listed.returncode == 0, listed.stderr
+    for domain in ("math", "code", "search"):
+        assert domain in listed.stdout
+    tried = _cli("env", "try", "math", "--n", "2", "--solver", "--seed", "3")
+    assert tried.returncode == 0, tried.stderr
+    assert tried.stdout.count("episode ") == 2
+    assert "assistant turn 0" in tried.stdout and "tool calculator" in tried.stdout
+    assert "reward 1 · answer" in tried.stdout
+    unknown = _cli("env", "try", "chess")
+    assert unknown.returncode == 1 and "no environment named 'chess'" in unknown.stderr
+    both = _cli("env", "try", "math", "--solver", "--model", "x")
+    assert both.returncode == 1 and "not both" in both.stderr
+
+
+def test_env_try_with_a_model_folder(tiny_base):
+    tried = _cli("env", "try", "math", "--n", "2", "--model", str(tiny_base), "--greedy")
+    assert tried.returncode == 0, tried.stderr
+    assert tried.stdout.count("episode ") == 2 and "summary" in tried.stdout
+    missing = _cli("env", "try", "math", "--model", "/nonexistent/model")
+    assert missing.returncode == 1 and "config.json" in missing.stderr

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from node.envs.base import Environment
 
-_BUILTIN_MODULES: tuple[str, ...] = ("node.envs.math",)
+_BUILTIN_MODULES: tuple[str, ...] = ("node.envs.math", "node.envs.code", "node.envs.search")
 
 _REGISTRY: dict[str, type[Environment]] = {}
 _builtins_loaded = False

@@ -1,18 +1,22 @@
 """What every training environment provides: tasks, tools, a reward and a solver.
 
 An environment is a task generator (seeded, with disjoint train and held-out splits), plain Python
-tool functions, a reward on the final answer, and a solver that demonstrates a correct trajectory.
+tool functions, a reward on the final answer (plus optional turn-level rewards), and a solver that
+demonstrates a correct trajectory.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from transformers.utils import get_json_schema
+
+from node.tools import ToolResult, extract_final_answer
 
 Split = Literal["train", "heldout"]
 SPLITS: tuple[Split, ...] = ("train", "heldout")
@@ -35,6 +39,14 @@ class Task:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+THINK_PATTERN = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+def strip_reasoning(text: str) -> str:
+    """`text` without its `<think>…</think>` spans (and the whitespace after each)."""
+    return THINK_PATTERN.sub("", text)
+
+
 def check_split(split: str) -> Split:
     """Return `split` if it names a known split, else raise InvalidSplitError."""
     if split not in SPLITS:
@@ -49,11 +61,17 @@ def split_of_text(text: str, heldout_fraction: float) -> Split:
 
 
 class Environment(ABC):
-    """Base class of environments: subclasses set `name`, `system_prompt`, `tools`, `max_turns`."""
+    """Base class of environments: subclasses set `name`, `system_prompt`, `tools`, `max_turns`.
+
+    `tool_timeout_s` bounds each tool call's wall time in the rollout engine (a call that runs
+    longer is answered with a timeout error); `max_tool_output_chars` truncates long results.
+    """
 
     name: str
     system_prompt: str
     max_turns: int
+    tool_timeout_s: float = 10.0
+    max_tool_output_chars: int = 2000
 
     @property
     @abstractmethod
@@ -80,6 +98,28 @@ class Environment(ABC):
     def tools_by_name(self) -> dict[str, ToolFunction]:
         """The tool functions keyed by the name the model calls them by."""
         return {tool.__name__: tool for tool in self.tools}
+
+    def bind_tools(self, task: Task) -> dict[str, ToolFunction]:
+        """The callables an episode of `task` runs, keyed by tool name. Environments whose tools
+        depend on the task (the code domain's tests, say) return closures with the same names,
+        signatures and type hints as `tools`; the default is `tools_by_name()`."""
+        return self.tools_by_name()
+
+    def new_episode_memory(self, task: Task) -> dict[str, Any]:
+        """Per-episode scratch state handed to `turn_reward` (empty by default)."""
+        return {}
+
+    def turn_reward(
+        self, task: Task, results: Sequence[ToolResult], memory: dict[str, Any]
+    ) -> float:
+        """Reward credited to the assistant turn whose tool calls gave `results` (0 by default).
+        `memory` is this episode's state from `new_episode_memory`, which the method may update."""
+        return 0.0
+
+    def final_answer(self, text: str) -> str | None:
+        """The final answer in an assistant turn, or None when the turn gives none. The default
+        reads the last `<answer>…</answer>`."""
+        return extract_final_answer(text)
 
     def initial_messages(self, task: Task) -> list[Message]:
         """The conversation an episode starts from: the system prompt and the task's prompt."""

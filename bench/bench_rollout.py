@@ -1,0 +1,72 @@
+"""Rollout throughput: episodes per second with many episodes in flight against one at a time.
+
+Plays the same held-out tasks with the embedded base model twice in one run: one episode after
+another, then all of them together through the rollout engine (batched generation, concurrent tool
+calls). Prints both rates and their ratio (the project's target is at least 4x at 32 episodes).
+Run: `python bench/bench_rollout.py [--episodes 32] [--domain math] [--base PATH]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--episodes", type=int, default=32, help="episodes in flight")
+    parser.add_argument("--domain", default="math")
+    parser.add_argument("--base", type=Path, help="a model folder (default: build the base)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=2, help="repeat both modes, keep the best")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    from node.envs import get_environment
+    from node.inference import HFBackend
+    from node.model import create_base_checkpoint, load_policy
+    from node.rollout import RolloutEngine
+
+    base = args.base
+    if base is None:
+        print("building the embedded base model (about a minute)…", flush=True)
+        base = create_base_checkpoint(Path(tempfile.mkdtemp(prefix="bench-rollout-")) / "base")
+    model, tokenizer = load_policy(base)
+    env = get_environment(args.domain)
+    engine = RolloutEngine(HFBackend(model, tokenizer), env, max_new_tokens=args.max_new_tokens)
+    tasks = env.tasks("heldout", args.episodes, seed=0)
+
+    def one_at_a_time() -> tuple[float, int, float]:
+        started = time.perf_counter()
+        episodes = [engine.play([task], seed=index)[0] for index, task in enumerate(tasks)]
+        return time.perf_counter() - started, sum(e.num_turns for e in episodes), _mean(episodes)
+
+    def all_together() -> tuple[float, int, float]:
+        started = time.perf_counter()
+        episodes = engine.play(tasks, seed=0)
+        return time.perf_counter() - started, sum(e.num_turns for e in episodes), _mean(episodes)
+
+    best: dict[str, tuple[float, int, float]] = {}
+    for _ in range(args.rounds):
+        for name, run in (("one at a time", one_at_a_time), ("concurrent", all_together)):
+            result = run()
+            if name not in best or result[0] < best[name][0]:
+                best[name] = result
+    print(f"{args.episodes} {args.domain} episodes, torch threads = 1")
+    print(f"{'mode':>14} {'seconds':>8} {'episodes/s':>11} {'turns':>6} {'reward':>7}")
+    for name, (seconds, turns, reward) in best.items():
+        print(f"{name:>14} {seconds:8.2f} {args.episodes / seconds:11.2f} {turns:6d} {reward:7.3f}")
+    ratio = best["one at a time"][0] / best["concurrent"][0]
+    print(f"concurrent / one at a time: {ratio:.1f}x (target >= 4x)")
+
+
+def _mean(episodes: list) -> float:
+    return sum(episode.reward for episode in episodes) / len(episodes)
+
+
+if __name__ == "__main__":
+    main()

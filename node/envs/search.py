@@ -1,0 +1,518 @@
+"""The `search` environment: multi-hop questions over a document collection, answered with a BM25
+`search` tool and an `ask` sub-agent tool that reads one document and answers a focused question,
+so whole pages never enter the policy's context.
+
+Questions come from the generated linked corpus (every task has a solver) or from a JSONL
+questions file over any corpus (those tasks have no solver: `solve` raises SolverUnavailableError,
+because the file names the supporting documents but not the hops between them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+import re
+import unicodedata
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from node.chat_backends import ChatBackend, ChatMessage
+from node.envs import register_environment
+from node.envs.base import (
+    Environment,
+    Message,
+    Split,
+    Task,
+    ToolFunction,
+    check_split,
+    split_of_text,
+    strip_reasoning,
+)
+from node.search_corpus import (
+    Corpus,
+    Document,
+    LinkedCorpus,
+    LinkedEntity,
+    Question,
+    generate_linked_corpus,
+    load_jsonl_corpus,
+    load_jsonl_questions,
+    split_sentences,
+)
+from node.tools import TOOL_ERROR_PREFIX, ToolResult
+
+logger = logging.getLogger(__name__)
+
+HELDOUT_FRACTION = 0.2
+MAX_QUERY_CHARS = 300
+MAX_QUESTION_CHARS = 500
+MAX_READER_ANSWER_CHARS = 300
+DEFAULT_SEARCH_CREDIT = 0.1
+MAX_HOPS = 3
+QUESTIONS_FILE_FAMILY = "questions_file"
+# One search result a line: "[doc_id] title: snippet"; turn rewards read the ids back from it.
+_RESULT_LINE_PATTERN = re.compile(r"^\[([^\]\s]+)\] ", re.MULTILINE)
+
+
+class SolverUnavailableError(RuntimeError):
+    """Raised by `solve` for a task that has no known solution path (a questions-file task)."""
+
+
+class SolverFailedError(RuntimeError):
+    """Raised by `solve` when the tools do not lead to the answer (a corpus that breaks the
+    generator's guarantees, such as a needed document missing from the search results)."""
+
+
+# ---- readers: the sub-agent behind `ask` ---------------------------------------------------
+
+
+class DocumentReader(Protocol):
+    """Answers a focused question from one document only."""
+
+    def answer(self, document: Document, question: str) -> str:
+        """The answer to `question` according to `document`."""
+        ...
+
+
+_READER_STOPWORDS = frozenset(
+    "a an and are as at be by did do does for from had has have he her his how in is it its of "
+    "on or she that the their them they this to was were what when where which who whom whose "
+    "why with".split()
+)
+_WORD_PATTERN = re.compile(r"\w+")
+
+
+def _stem(word: str) -> str:
+    """A light suffix stripper so 'works'/'work' and 'founded'/'founder' meet."""
+    for suffix, min_length in (("ing", 6), ("ed", 5), ("er", 6), ("es", 5), ("s", 4)):
+        if word.endswith(suffix) and len(word) >= min_length and not word.endswith("ss"):
+            return word[: -len(suffix)]
+    return word
+
+
+def _content_terms(text: str) -> set[str]:
+    words = _WORD_PATTERN.findall(text.casefold())
+    return {_stem(word) for word in words if word not in _READER_STOPWORDS}
+
+
+class ExtractiveReader:
+    """Returns the document sentence that best matches the question (deterministic).
+
+    Sentences score by the question words they share, each weighted by how rare it is among the
+    document's sentences. Words of the document's title count only to break ties (they name what
+    every sentence is about, even where a pronoun stands for them). Remaining ties go to the
+    earlier sentence."""
+
+    NO_MATCH = "The document does not answer that question."
+
+    def answer(self, document: Document, question: str) -> str:
+        sentences = split_sentences(document.text)
+        question_terms = _content_terms(question)
+        title_terms = question_terms & _content_terms(document.title)
+        sentence_terms = [_content_terms(sentence) for sentence in sentences]
+        frequency = Counter(term for terms in sentence_terms for term in terms & question_terms)
+
+        def weight(terms: set[str]) -> float:
+            return sum(math.log(1.0 + len(sentences) / frequency[term]) for term in terms)
+
+        best_sentence, best_score = None, (0.0, 0.0)
+        for sentence, terms in zip(sentences, sentence_terms, strict=True):
+            shared = terms & question_terms
+            score = (weight(shared - title_terms), weight(shared & title_terms))
+            if score > best_score:
+                best_sentence, best_score = sentence, score
+        if best_sentence is None:
+            return self.NO_MATCH
+        if len(best_sentence) > MAX_READER_ANSWER_CHARS:
+            return best_sentence[: MAX_READER_ANSWER_CHARS - 3] + "..."
+        return best_sentence
+
+
+READER_SYSTEM_PROMPT = (
+    "You answer a question using only the document you are given. Reply with the answer alone, "
+    "as short as possible (a name or a short phrase). If the document does not say, reply: "
+    + ExtractiveReader.NO_MATCH
+)
+
+
+class ChatReader:
+    """Asks a chat model (any ChatBackend: the local policy, an OpenAI-compatible endpoint) to
+    answer from the document. When the backend raises or replies with no text, the answer comes
+    from `fallback` (an ExtractiveReader by default) and the failure is logged."""
+
+    def __init__(
+        self,
+        backend: ChatBackend,
+        max_tokens: int = 64,
+        *,
+        max_document_chars: int = 6000,
+        fallback: DocumentReader | None = None,
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if max_document_chars < 100:
+            raise ValueError(f"max_document_chars must be at least 100, got {max_document_chars}")
+        self.backend = backend
+        self.max_tokens = max_tokens
+        self.max_document_chars = max_document_chars
+        self.fallback: DocumentReader = fallback if fallback is not None else ExtractiveReader()
+
+    def messages(self, document: Document, question: str) -> list[ChatMessage]:
+        """The conversation sent to the backend for `question` about `document`."""
+        text = document.text[: self.max_document_chars]
+        return [
+            {"role": "system", "content": READER_SYSTEM_PROMPT},
+            {
+                "role": "user",
+                "content": f"Document: {document.title}\n{text}\n\nQuestion: {question}",
+            },
+        ]
+
+    def answer(self, document: Document, question: str) -> str:
+        try:
+            reply = self.backend.complete(
+                self.messages(document, question), max_tokens=self.max_tokens, temperature=0.0
+            )
+        except Exception as error:  # any backend failure falls back; the episode goes on
+            logger.warning(
+                "reader backend %s failed on document %s (%s: %s); using the extractive answer",
+                type(self.backend).__name__,
+                document.doc_id,
+                type(error).__name__,
+                error,
+            )
+            return self.fallback.answer(document, question)
+        text = strip_reasoning(reply).strip() if isinstance(reply, str) else ""
+        if not text or "<think>" in text:
+            logger.warning(
+                "reader backend %s gave no answer for document %s; using the extractive answer",
+                type(self.backend).__name__,
+                document.doc_id,
+            )
+            return self.fallback.answer(document, question)
+        if len(text) > MAX_READER_ANSWER_CHARS:
+            return text[: MAX_READER_ANSWER_CHARS - 3] + "..."
+        return text
+
+
+# ---- questions over the linked corpus ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RelationQuestion:
+    """How a relation is asked: as a question about `{subject}` (also the focused question the
+    solver asks the reader) and as a noun phrase nested inside a longer question."""
+
+    question: str
+    phrase: str
+
+
+# Each focused question shares a keyword with the sentence that states the fact (see
+# LINK_RELATIONS), which is what lets the extractive reader find that sentence.
+RELATION_QUESTIONS: dict[str, RelationQuestion] = {
+    "born_in": RelationQuestion("Where was {subject} born?", "the city where {subject} was born"),
+    "works_for": RelationQuestion(
+        "Which company does {subject} work for?", "the company {subject} works for"
+    ),
+    "country": RelationQuestion(
+        "In which country is {subject}?", "the country that {subject} is in"
+    ),
+    "mayor": RelationQuestion("Who is the mayor of {subject}?", "the mayor of {subject}"),
+    "capital": RelationQuestion("What is the capital of {subject}?", "the capital of {subject}"),
+    "founder": RelationQuestion("Who founded {subject}?", "the founder of {subject}"),
+    "based_in": RelationQuestion("Where is {subject} based?", "the city where {subject} is based"),
+}
+
+
+def compose_question(relations: Sequence[str], start_name: str) -> str:
+    """The question that follows `relations` from the entity named `start_name`."""
+    subject = start_name
+    for relation in relations[:-1]:
+        subject = RELATION_QUESTIONS[relation].phrase.format(subject=subject)
+    return RELATION_QUESTIONS[relations[-1]].question.format(subject=subject)
+
+
+def _chains(corpus: LinkedCorpus, start: LinkedEntity, hops: int) -> list[list[str]]:
+    """Every relation path of length `hops` from `start` that never revisits an entity."""
+    paths: list[list[str]] = []
+
+    def extend(path: list[str], visited: list[str]) -> None:
+        if len(path) == hops:
+            paths.append(path)
+            return
+        current = corpus.entity(visited[-1])
+        for relation, target in current.links.items():
+            if target not in visited:
+                extend([*path, relation], [*visited, target])
+
+    extend([], [start.entity_id])
+    return paths
+
+
+def normalize_answer(text: str) -> str:
+    """Case-folded, punctuation turned to spaces, whitespace collapsed, a leading 'the' dropped."""
+    folded = unicodedata.normalize("NFKC", text).casefold()
+    spaced = "".join(" " if unicodedata.category(ch).startswith("P") else ch for ch in folded)
+    words = spaced.split()
+    if words and words[0] == "the":
+        words = words[1:]
+    return " ".join(words)
+
+
+def result_doc_ids(search_output: str) -> list[str]:
+    """The document ids listed in a `search` tool result, in order."""
+    return _RESULT_LINE_PATTERN.findall(search_output)
+
+
+def _task_id(question: str) -> str:
+    return "search-" + hashlib.sha256(question.encode("utf-8")).hexdigest()[:16]
+
+
+@register_environment
+class SearchEnvironment(Environment):
+    """Multi-hop questions: search for the named entity, ask its document for the linking fact,
+    search for the entity that fact names, and so on, then `<answer>NAME</answer>`.
+
+    `corpus` or `corpus_file` (JSONL, see `load_jsonl_corpus`) replaces the default generated
+    corpus (`generate_linked_corpus(seed)`). Tasks come from `questions_file` (JSONL, see
+    `load_jsonl_questions`) when given; otherwise the corpus must be a LinkedCorpus and questions
+    of `hops` hops are generated from its facts. `reader` answers `ask` (ExtractiveReader by
+    default; a ChatReader puts a model behind it). Each search whose results first show a
+    document the task needs earns `search_credit` as a turn reward."""
+
+    name = "search"
+    system_prompt = (
+        "Answer the question about made-up people, places and companies. Search for a name, "
+        "then ask that document a short question to learn a fact. Follow the facts from "
+        "document to document and reply with the final name as <answer>NAME</answer>."
+    )
+
+    def __init__(
+        self,
+        corpus: Corpus | None = None,
+        corpus_file: Path | str | None = None,
+        questions_file: Path | str | None = None,
+        reader: DocumentReader | None = None,
+        top_k: int = 3,
+        seed: int = 0,
+        hops: int = 2,
+        max_turns: int | None = None,
+        search_credit: float = DEFAULT_SEARCH_CREDIT,
+        tool_timeout_s: float | None = None,
+    ) -> None:
+        if corpus is not None and corpus_file is not None:
+            raise ValueError("pass either corpus or corpus_file, not both")
+        if not 1 <= top_k <= 20:
+            raise ValueError(f"top_k must be from 1 to 20, got {top_k}")
+        if not 1 <= hops <= MAX_HOPS:
+            raise ValueError(f"hops must be from 1 to {MAX_HOPS}, got {hops}")
+        if search_credit < 0:
+            raise ValueError(f"search_credit must not be negative, got {search_credit}")
+        if corpus_file is not None:
+            corpus = load_jsonl_corpus(corpus_file)
+        self.corpus: Corpus = corpus if corpus is not None else generate_linked_corpus(seed)
+        self.questions: list[Question] | None = None
+        if questions_file is not None:
+            self.questions = load_jsonl_questions(questions_file, self.corpus)
+        elif not isinstance(self.corpus, LinkedCorpus):
+            raise ValueError(
+                "this corpus has no generated facts to make questions from; pass questions_file "
+                "(JSONL with question, answer, supporting_doc_ids)"
+            )
+        self.reader: DocumentReader = reader if reader is not None else ExtractiveReader()
+        self.top_k = top_k
+        self.hops = hops
+        self.max_turns = 2 * hops + 3 if max_turns is None else max_turns
+        if self.max_turns < 2:
+            raise ValueError("max_turns must be at least 2: one tool turn and one answer turn")
+        self.search_credit = search_credit
+        if tool_timeout_s is not None:
+            self.tool_timeout_s = tool_timeout_s
+        elif not isinstance(self.reader, ExtractiveReader):
+            self.tool_timeout_s = 60.0  # a model behind `ask` may take a while
+        self._task_pools: dict[Split, list[list[Task]]] = {}
+
+    # ---- tools ----
+
+    def search(self, query: str) -> str:
+        """Find documents by name. Lists the best matches as [doc_id] title: first sentence.
+
+        Args:
+            query: A name or other words to look for.
+        """
+        query = " ".join(query.split())
+        if not query:
+            return f"{TOOL_ERROR_PREFIX}the query is empty; search for a name"
+        if len(query) > MAX_QUERY_CHARS:
+            return f"{TOOL_ERROR_PREFIX}the query is longer than {MAX_QUERY_CHARS} characters"
+        hits = self.corpus.search(query, self.top_k)
+        if not hits:
+            return f'No results for "{query}". Search for a name from the question or an answer.'
+        return "\n".join(f"[{hit.doc_id}] {hit.title}: {hit.snippet}" for hit in hits)
+
+    def ask(self, doc_id: str, question: str) -> str:
+        """Ask a reader a short question about one document; it answers from that document only.
+
+        Args:
+            doc_id: A document id, as shown in brackets in the search results.
+            question: A short question about the document, such as "Who founded it?".
+        """
+        doc_id = doc_id.strip()
+        document = self.corpus.get(doc_id)
+        if document is None:
+            shown = doc_id if len(doc_id) <= 40 else doc_id[:40] + "..."
+            return (
+                f"{TOOL_ERROR_PREFIX}unknown doc_id {shown!r}; pass an id shown in brackets in "
+                "the search results"
+            )
+        question = " ".join(question.split())
+        if not question:
+            return f"{TOOL_ERROR_PREFIX}the question is empty"
+        if len(question) > MAX_QUESTION_CHARS:
+            return f"{TOOL_ERROR_PREFIX}the question is longer than {MAX_QUESTION_CHARS} characters"
+        return self.reader.answer(document, question)
+
+    @property
+    def tools(self) -> list[ToolFunction]:
+        return [self.search, self.ask]
+
+    # ---- tasks ----
+
+    def _generated_pool(self, split: Split) -> list[list[Task]]:
+        """All generated tasks of `split`, grouped by family (relation path), in a fixed order."""
+        corpus = self.corpus
+        assert isinstance(corpus, LinkedCorpus)
+        families: dict[str, list[Task]] = {}
+        for start in corpus.entities:
+            for relations in _chains(corpus, start, self.hops):
+                question = compose_question(relations, start.name)
+                if split_of_text(question, HELDOUT_FRACTION) != split:
+                    continue
+                path = [start]
+                for relation in relations:
+                    path.append(corpus.entity(path[-1].links[relation]))
+                doc_ids = [entity.entity_id for entity in path]
+                family = ">".join(relations)
+                task = Task(
+                    id=_task_id(question),
+                    prompt=question,
+                    answer=path[-1].name,
+                    metadata={
+                        "family": family,
+                        "relations": list(relations),
+                        "entities": [entity.name for entity in path],
+                        "doc_ids": doc_ids,
+                        "needed_doc_ids": doc_ids[:-1],
+                    },
+                )
+                families.setdefault(family, []).append(task)
+        return [families[family] for family in sorted(families)]
+
+    def _questions_pool(self, split: Split) -> list[Task]:
+        assert self.questions is not None
+        return [
+            Task(
+                id=_task_id(question.question),
+                prompt=question.question,
+                answer=question.answer,
+                metadata={
+                    "family": QUESTIONS_FILE_FAMILY,
+                    "needed_doc_ids": list(question.supporting_doc_ids),
+                },
+            )
+            for question in self.questions
+            if split_of_text(question.question, HELDOUT_FRACTION) == split
+        ]
+
+    def tasks(self, split: Split, n: int, seed: int = 0) -> list[Task]:
+        """`n` distinct tasks of `split`. Generated tasks are drawn family by family (a family
+        picked uniformly among those with tasks left), so every question shape appears."""
+        check_split(split)
+        rng = random.Random(f"search/{split}/{seed}/{self.hops}")
+        if self.questions is not None:
+            pool = self._questions_pool(split)
+            if n > len(pool):
+                raise ValueError(f"the questions file has {len(pool)} {split} questions, not {n}")
+            return rng.sample(pool, n)
+        if split not in self._task_pools:
+            self._task_pools[split] = self._generated_pool(split)
+        families = [rng.sample(tasks, len(tasks)) for tasks in self._task_pools[split]]
+        available = sum(len(tasks) for tasks in families)
+        if n > available:
+            raise ValueError(
+                f"the corpus yields {available} {split} tasks of {self.hops} hops, not {n}"
+            )
+        chosen: list[Task] = []
+        while len(chosen) < n:
+            family = rng.choice([tasks for tasks in families if tasks])
+            chosen.append(family.pop())
+        return chosen
+
+    def reward(self, task: Task, final_answer: str | None) -> float:
+        if final_answer is None:
+            return 0.0
+        given = normalize_answer(final_answer)
+        return 1.0 if given and given == normalize_answer(task.answer) else 0.0
+
+    def new_episode_memory(self, task: Task) -> dict[str, Any]:
+        return {"found_doc_ids": set()}
+
+    def turn_reward(
+        self, task: Task, results: Sequence[ToolResult], memory: dict[str, Any]
+    ) -> float:
+        """`search_credit` for each needed document a search shows for the first time."""
+        needed = set(task.metadata.get("needed_doc_ids", ()))
+        found: set[str] = memory.setdefault("found_doc_ids", set())
+        credit = 0.0
+        for result in results:
+            if result.is_error or result.call.name != "search":
+                continue
+            for doc_id in result_doc_ids(result.content):
+                if doc_id in needed and doc_id not in found:
+                    found.add(doc_id)
+                    credit += self.search_credit
+        return credit
+
+    # ---- solver ----
+
+    def solve(self, task: Task) -> list[Message]:
+        """For each hop: search for the current entity's name, ask its document the relation's
+        focused question, and go on with the entity that fact names (taken from the task's
+        metadata); finally answer with the last entity's name. Raises SolverUnavailableError for
+        questions-file tasks."""
+        metadata = task.metadata
+        if metadata.get("family") == QUESTIONS_FILE_FAMILY or "relations" not in metadata:
+            raise SolverUnavailableError(
+                f"task {task.id} comes from a questions file, which names the supporting "
+                "documents but not the hops and questions that lead from one to the next, so "
+                "no demonstration can be built; use the generated corpus for demonstrations"
+            )
+        tools = self.bind_tools(task)
+        messages = self.initial_messages(task)
+        relations: list[str] = metadata["relations"]
+        for hop, relation in enumerate(relations):
+            name, doc_id = metadata["entities"][hop], metadata["doc_ids"][hop]
+            found = tools["search"](name)
+            if doc_id not in result_doc_ids(found):
+                raise SolverFailedError(
+                    f"task {task.id}: searching {name!r} does not list document {doc_id}"
+                )
+            messages += _tool_turn("search", {"query": name}, found)
+            focused = RELATION_QUESTIONS[relation].question.format(subject=name)
+            answer = tools["ask"](doc_id, focused)
+            messages += _tool_turn("ask", {"doc_id": doc_id, "question": focused}, answer)
+        messages.append({"role": "assistant", "content": f"<answer>{task.answer}</answer>"})
+        return messages
+
+
+def _tool_turn(name: str, arguments: dict[str, str], result: str) -> list[Message]:
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": name, "content": result},
+    ]
