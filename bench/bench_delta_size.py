@@ -26,7 +26,7 @@ def main() -> None:
     from merge.streaming import iter_base_tensors
     from node.envs import get_environment
     from node.model import create_base_checkpoint, load_policy
-    from node.train import train_rl
+    from node.pipeline import train_rl
     from protocol.blobstore import BlobStore
     from protocol.delta import DeltaReader, pack_delta
 

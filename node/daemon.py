@@ -147,7 +147,7 @@ class NodeDaemon:
 
         from node.envs import get_environment
         from node.model import load_policy
-        from node.train import train_rl
+        from node.pipeline import train_rl
 
         model, tokenizer = load_policy(base_dir)
         env = get_environment(self.config.domain)

@@ -1,30 +1,29 @@
-"""Training the policy: a supervised warm start on solver demonstrations, and a GRPO-style
-policy-gradient trainer (group-relative advantages, clipped importance ratios π_θ/μ, token-mean
-loss over sampled tokens), with the synchronous play-then-update loop the node runs.
+"""Training the policy: a supervised warm start on solver demonstrations, and the policy-gradient
+trainer (group-relative advantages with turn-level credit, importance-weighted loss from
+`node.loss`). The loop that feeds it rollouts lives in `node.pipeline`.
 """
 
 from __future__ import annotations
 
 import math
 import random
-import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from node.envs.base import Environment
-from node.model import set_torch_threads
+from node.inference import cache_keyword_for, common_prefix_length
+from node.loss import (
+    LOSS_METRICS,
+    LossConfig,
+    combine_loss_metrics,
+    episode_token_advantages,
+    policy_loss,
+)
 from node.rollout import (
-    DEFAULT_MAX_NEW_TOKENS,
     ConversationTokens,
     Episode,
-    cache_keyword_for,
-    common_prefix_length,
-    play_episodes,
-    summarize_episodes,
     tokenize_demonstration,
 )
 
@@ -173,30 +172,14 @@ def supervised_warm_start(
     return losses
 
 
-def group_advantages(episodes: Sequence[Episode], epsilon: float = 1e-6) -> list[float]:
-    """GRPO advantages: each reward minus its task group's mean, over the group's std; groups
-    whose rewards are all equal carry no signal and get 0."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for position, episode in enumerate(episodes):
-        groups[episode.task.id].append(position)
-    advantages = [0.0] * len(episodes)
-    for members in groups.values():
-        rewards = torch.tensor([episodes[i].reward for i in members], dtype=torch.float64)
-        std = float(rewards.std(unbiased=False))
-        if std < epsilon:
-            continue
-        mean = float(rewards.mean())
-        for i in members:
-            advantages[i] = (episodes[i].reward - mean) / (std + epsilon)
-    return advantages
-
-
 class PolicyGradientTrainer:
-    """GRPO-style updates on episodes from a behaviour policy μ (which may lag the trainer).
+    """Policy-gradient updates on episodes from a behaviour policy μ that may lag the trainer.
 
-    Per sampled token: ratio r = π_θ/μ, loss -min(r·A, clip(r, 1-ε_low, 1+ε_high)·A), averaged
-    over all loss-bearing tokens of the update (token-mean). Episodes with zero advantage (their
-    group's rewards all equal) carry no gradient and are left out of the update and the mean.
+    Advantages are group-relative with turn-level credit and the per-token loss is the
+    importance-weighted surrogate of `node.loss` (clipped, truncated or masked ratios π_θ/μ, an
+    optional KL penalty to a frozen reference). Samples whose every token has zero advantage
+    (their group's returns all equal) are left out of the update; the token mean runs over the
+    loss tokens of the samples that remain.
     """
 
     def __init__(
@@ -205,21 +188,29 @@ class PolicyGradientTrainer:
         tokenizer: PreTrainedTokenizerBase,
         lr: float = 2e-4,
         *,
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
+        loss: LossConfig | None = None,
+        clip_low: float | None = None,
+        clip_high: float | None = None,
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 32,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
+        reference_model: PreTrainedModel | None = None,
     ) -> None:
-        if not (0 < clip_low < 1 and clip_high > 0):
-            raise ValueError("need 0 < clip_low < 1 and clip_high > 0")
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be positive")
+        config = loss or LossConfig()
+        overrides = {
+            name: value
+            for name, value in (("clip_low", clip_low), ("clip_high", clip_high))
+            if value is not None
+        }
+        self.loss_config = LossConfig.model_validate({**config.model_dump(), **overrides})
+        if self.loss_config.kl_coef > 0 and reference_model is None:
+            raise ValueError("kl_coef > 0 needs a reference_model to measure the KL against")
         self.model = model
         self.tokenizer = tokenizer
-        self.clip_low = clip_low
-        self.clip_high = clip_high
+        self.reference_model = reference_model
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
         self.optimizer = torch.optim.AdamW(
@@ -229,76 +220,89 @@ class PolicyGradientTrainer:
 
     def step(self, episodes: Sequence[Episode]) -> dict[str, float]:
         """One optimizer update from `episodes` (several per task); returns its metrics.
-        When no group has reward variance, nothing is updated and `skipped` is 1."""
-        advantages = group_advantages(episodes)
-        chosen = [
-            (episode, advantage)
-            for episode, advantage in zip(episodes, advantages, strict=True)
-            if advantage != 0.0 and episode.num_sampled_tokens > 0
+        When no sample carries a non-zero advantage, nothing is updated and `skipped` is 1."""
+        config = self.loss_config
+        owners = [episode for episode in episodes for _ in episode.samples]
+        rows = [
+            (sample, advantages, episode.temperature)
+            for episode, (sample, advantages) in zip(
+                owners, episode_token_advantages(episodes, config), strict=True
+            )
+            if any(a != 0.0 for a, m in zip(advantages, sample.loss_mask, strict=True) if m)
         ]
+        trained = {id(sample) for sample, _, _ in rows}
+        trained_episodes = sum(
+            any(id(sample) in trained for sample in episode.samples) for episode in episodes
+        )
         metrics: dict[str, float] = {
             "loss": 0.0,
-            "trained_episodes": float(len(chosen)),
+            "trained_episodes": float(trained_episodes),
             "trained_tokens": 0.0,
             "clip_fraction": 0.0,
+            "masked_fraction": 0.0,
+            "truncated_fraction": 0.0,
             "ratio_mean": 1.0,
             "approx_kl": 0.0,
+            "ref_kl": 0.0,
             "grad_norm": 0.0,
             "skipped": 1.0,
         }
-        if not chosen:
+        if not rows:
             return metrics
-        total_tokens = sum(episode.num_sampled_tokens for episode, _ in chosen)
+        total_tokens = sum(sample.num_sampled_tokens for sample, _, _ in rows)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = clipped = ratio_sum = kl_sum = 0.0
-        for start in range(0, len(chosen), self.micro_batch_size):
-            part = chosen[start : start + self.micro_batch_size]
-            sequences = [episode.token_ids for episode, _ in part]
-            masks = [episode.loss_mask for episode, _ in part]
-            input_ids, attention_mask, (old_logprobs, loss_mask) = _right_padded(
+        loss_sum = 0.0
+        parts: list[dict[str, float]] = []
+        for start in range(0, len(rows), self.micro_batch_size):
+            part = rows[start : start + self.micro_batch_size]
+            sequences = [sample.token_ids for sample, _, _ in part]
+            masks = [sample.loss_mask for sample, _, _ in part]
+            input_ids, attention_mask, (old_logprobs, loss_mask, advantages) = _right_padded(
                 sequences,
                 self.tokenizer.pad_token_id,
-                [episode.logprobs for episode, _ in part],
+                [sample.logprobs for sample, _, _ in part],
                 masks,
+                [values for _, values, _ in part],
             )
-            temperatures = torch.tensor([episode.temperature for episode, _ in part])
-            advantage = torch.tensor([a for _, a in part], dtype=torch.float32).view(-1, 1)
+            temperatures = torch.tensor([temperature for _, _, temperature in part])
+            prefix = shared_prefix_length(sequences, masks)
             new_logprobs = token_logprobs(
-                self.model,
-                input_ids,
-                attention_mask,
-                temperatures,
-                shared_prefix=shared_prefix_length(sequences, masks),
+                self.model, input_ids, attention_mask, temperatures, shared_prefix=prefix
             )
+            reference = None
+            if self.reference_model is not None and config.kl_coef > 0:
+                with torch.no_grad():
+                    reference = token_logprobs(
+                        self.reference_model,
+                        input_ids,
+                        attention_mask,
+                        temperatures,
+                        shared_prefix=prefix,
+                    )
             device = new_logprobs.device
-            old_logprobs, loss_mask, advantage = (
+            loss, part_metrics = policy_loss(
+                new_logprobs,
                 old_logprobs.to(device),
+                advantages.to(device),
                 loss_mask.to(device),
-                advantage.to(device),
+                config,
+                ref_logprobs=None if reference is None else reference.to(device),
+                total_tokens=total_tokens,
+                total_sequences=len(rows),
             )
-            log_ratio = (new_logprobs - old_logprobs) * loss_mask
-            ratio = log_ratio.exp()
-            clipped_ratio = ratio.clamp(1 - self.clip_low, 1 + self.clip_high)
-            per_token = -torch.minimum(ratio * advantage, clipped_ratio * advantage)
-            loss = (per_token * loss_mask).sum() / total_tokens
             loss.backward()
-            with torch.no_grad():
-                loss_sum += float(loss)
-                clip_active = (clipped_ratio * advantage < ratio * advantage).float()
-                clipped += float((clip_active * loss_mask).sum())
-                ratio_sum += float((ratio * loss_mask).sum())
-                kl_sum += float((-log_ratio * loss_mask).sum())
+            loss_sum += float(loss.detach())
+            parts.append(part_metrics)
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         )
+        combined = combine_loss_metrics(parts)
         metrics.update(
             loss=loss_sum,
             trained_tokens=float(total_tokens),
-            clip_fraction=clipped / total_tokens,
-            ratio_mean=ratio_sum / total_tokens,
-            approx_kl=kl_sum / total_tokens,
             grad_norm=grad_norm,
+            **{key: combined[key] for key in LOSS_METRICS if key != "tokens" and key in combined},
         )
         if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -308,51 +312,3 @@ class PolicyGradientTrainer:
         self.updates += 1
         metrics["skipped"] = 0.0
         return metrics
-
-
-def train_rl(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    env: Environment,
-    steps: int,
-    tasks_per_step: int = 16,
-    samples_per_task: int = 8,
-    seed: int = 0,
-    on_step: StepCallback | None = None,
-    *,
-    lr: float = 2e-4,
-    temperature: float = 1.0,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    trainer: PolicyGradientTrainer | None = None,
-    num_threads: int | None = None,
-    **trainer_options: Any,
-) -> list[dict[str, float]]:
-    """Play a fresh batch of training tasks with the current policy, update on it, repeat.
-    Each step's metrics (reward mean, success rate, tool calls, update statistics, seconds) are
-    passed to `on_step` and returned. `num_threads`, when given, sets torch's threads first."""
-    if num_threads is not None:
-        set_torch_threads(num_threads)
-    trainer = trainer or PolicyGradientTrainer(model, tokenizer, lr=lr, **trainer_options)
-    history: list[dict[str, float]] = []
-    for step in range(steps):
-        step_seed = seed * 1_000_003 + step
-        started = time.perf_counter()
-        tasks = env.tasks("train", tasks_per_step, seed=step_seed)
-        episodes = play_episodes(
-            model,
-            tokenizer,
-            env,
-            tasks,
-            samples_per_task=samples_per_task,
-            temperature=temperature,
-            max_new_tokens=max_new_tokens,
-            seed=step_seed,
-        )
-        rollout_seconds = time.perf_counter() - started
-        metrics = {"step": float(step), **summarize_episodes(episodes), **trainer.step(episodes)}
-        metrics["rollout_seconds"] = rollout_seconds
-        metrics["step_seconds"] = time.perf_counter() - started
-        history.append(metrics)
-        if on_step is not None:
-            on_step(metrics)
-    return history

@@ -10,20 +10,20 @@ import torch
 from node.envs import get_environment
 from node.envs.base import Task
 from node.envs.math import MathEnvironment
+from node.loss import LossConfig, group_advantages
 from node.model import (
     TEMPLATE_FIXED_STRINGS,
     build_tiny_model,
     build_tokenizer,
     render_demonstrations,
 )
+from node.pipeline import train_rl
 from node.rollout import Episode, play_episodes, tokenize_demonstration
 from node.train import (
     PolicyGradientTrainer,
-    group_advantages,
     shared_prefix_length,
     supervised_warm_start,
     token_logprobs,
-    train_rl,
 )
 
 
@@ -106,10 +106,12 @@ def test_group_advantages_are_normalised_per_task() -> None:
     episodes = [_episode("a", r) for r in (1.0, 0.0, 0.0, 1.0)] + [
         _episode("b", r) for r in (1.0, 1.0)
     ]
-    advantages = group_advantages(episodes)
+    advantages = group_advantages(
+        [e.reward for e in episodes], [e.task.id for e in episodes], normalize_std=True
+    )
     assert advantages[:4] == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
     assert advantages[4:] == [0.0, 0.0]
-    lone = group_advantages([_episode("c", 1.0), _episode("c", 0.0), _episode("c", 0.0)])
+    lone = group_advantages([1.0, 0.0, 0.0], ["c"] * 3, normalize_std=True)
     assert sum(lone) == pytest.approx(0.0, abs=1e-9) and lone[0] > 0 > lone[1]
 
 
@@ -155,6 +157,10 @@ def test_stale_ratios_are_clipped(tokenizer, env: MathEnvironment) -> None:
     metrics = PolicyGradientTrainer(model, tokenizer, clip_high=0.2).step(episodes)
     assert metrics["ratio_mean"] > 2.0
     assert 0.4 < metrics["clip_fraction"] <= 1.0
+    masked = PolicyGradientTrainer(model, tokenizer, loss=LossConfig(trust_region="mask")).step(
+        episodes
+    )
+    assert masked["masked_fraction"] > 0.4 and masked["clip_fraction"] == 0.0
 
 
 def test_step_without_reward_variance_is_skipped(tokenizer, env: MathEnvironment) -> None:
@@ -183,4 +189,5 @@ def test_train_rl_reports_each_step(tokenizer, env: MathEnvironment) -> None:
         assert 0.0 <= metrics["success_rate"] <= 1.0
         assert metrics["tool_calls_mean"] >= 0.0
         assert metrics["skipped"] in (0.0, 1.0) and math.isfinite(metrics["loss"])
-        assert metrics["step_seconds"] >= metrics["rollout_seconds"] > 0
+        assert metrics["step_seconds"] > 0 and metrics["rollout_seconds"] > 0
+        assert metrics["staleness"] == 0.0 and metrics["dropped_groups"] == 0.0

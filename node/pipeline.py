@@ -1,0 +1,412 @@
+"""The asynchronous RL pipeline of a node: a rollout producer thread plays batches of training
+tasks with the behaviour policy while the trainer updates on earlier batches, with bounded lag.
+
+Each batch ("chunk") holds `tasks_per_step` groups of `samples_per_task` episodes and is tagged with
+the policy version that generated it (each sampled token also carries its own). Weights reach the
+inference backend every `weight_sync_every` = k steps, and the producer runs at most
+`max_staleness - (k - 1)` chunks ahead of the trainer, so a chunk is at most `max_staleness`
+versions old when it is trained; a chunk found older than that anyway (a resumed run) is dropped
+and counted. `max_staleness = 0` is the synchronous baseline: generate, train, push, generate. Checkpoints (model, optimizer, RNG, step, the task-stream
+position) are written atomically every `checkpoint_every` steps; a restarted run continues from
+the last one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from node.checkpointing import TrainingState, load_training_checkpoint, save_training_checkpoint
+from node.envs.base import Environment
+from node.inference import HFBackend, InferenceBackend
+from node.loss import LossConfig
+from node.metrics import MetricsLogger, StalenessHistogram, read_metrics
+from node.model import set_torch_threads
+from node.rollout import (
+    DEFAULT_MAX_NEW_TOKENS,
+    ContextPolicy,
+    Episode,
+    RolloutEngine,
+    summarize_episodes,
+)
+from node.train import PolicyGradientTrainer
+from protocol.durable import write_bytes_atomically
+
+logger = logging.getLogger(__name__)
+
+StepCallback = Callable[[dict[str, float]], None]
+
+
+class RLConfig(BaseModel):
+    """The RL run of one node: batch shape, sampling, loss, pipeline lag and checkpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(default=8, ge=1, description="policy updates")
+    tasks_per_step: int = Field(default=8, ge=1)
+    samples_per_task: int = Field(default=4, ge=2, description="group size for advantages")
+    learning_rate: float = Field(default=2e-4, gt=0)
+    temperature: float = Field(default=1.0, gt=0)
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, description="per turn")
+    context_policy: ContextPolicy = "full"
+    loss: LossConfig = Field(default_factory=LossConfig)
+    max_staleness: int = Field(
+        default=1, ge=0, description="policy versions a trained batch may lag; 0 is synchronous"
+    )
+    weight_sync_every: int = Field(default=1, ge=1, description="push weights every k steps")
+    micro_batch_size: int = Field(default=32, ge=1)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0: off")
+    keep_checkpoints: int = Field(default=2, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _lag_covers_weight_pushes(self) -> RLConfig:
+        if self.max_staleness < self.weight_sync_every - 1:
+            raise ValueError(
+                f"weights pushed every {self.weight_sync_every} steps make batches up to "
+                f"{self.weight_sync_every - 1} versions old; raise max_staleness to at least that"
+            )
+        return self
+
+
+@dataclass
+class Chunk:
+    """One step's worth of scored episodes and the policy version that generated them."""
+
+    index: int
+    episodes: list[Episode]
+    policy_version: int
+    generation_seconds: float
+    sampled_tokens: int
+
+
+class PipelineStopped(RuntimeError):
+    """The pipeline was stopped (or its producer failed) before the run finished."""
+
+
+class _VersionGate:
+    """The producer's permission to start a chunk: counted from where this run started, at most
+    `max_staleness` chunks beyond those the trainer has finished with (trained, weights pushed,
+    or dropped)."""
+
+    def __init__(self, first_chunk: int, max_staleness: int) -> None:
+        self._condition = threading.Condition()
+        self._first_chunk = first_chunk
+        self._consumed = 0
+        self._max_staleness = max_staleness
+        self._stopped = False
+
+    def wait_for(self, chunk: int) -> bool:
+        """Block until chunk `chunk` may start; False when the pipeline stopped meanwhile."""
+        with self._condition:
+            self._condition.wait_for(
+                lambda: (
+                    self._stopped
+                    or chunk - self._first_chunk <= self._consumed + self._max_staleness
+                )
+            )
+            return not self._stopped
+
+    def consumed(self) -> None:
+        """The trainer is done with one more chunk."""
+        with self._condition:
+            self._consumed += 1
+            self._condition.notify_all()
+
+    def stop(self) -> None:
+        with self._condition:
+            self._stopped = True
+            self._condition.notify_all()
+
+
+class RolloutProducer(threading.Thread):
+    """Plays chunk after chunk of training tasks and puts them in a bounded queue."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        env: Environment,
+        config: RLConfig,
+        first_chunk: int,
+        gate: _VersionGate,
+        out: queue.Queue[Chunk | BaseException],
+    ) -> None:
+        super().__init__(name="rollout-producer", daemon=True)
+        self.engine = engine
+        self.env = env
+        self.config = config
+        self.next_chunk = first_chunk
+        self.gate = gate
+        self.out = out
+        self.stopped = threading.Event()
+
+    def chunk_seed(self, index: int) -> int:
+        return self.config.seed * 1_000_003 + index
+
+    def run(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                index = self.next_chunk
+                if not self.gate.wait_for(index):
+                    return
+                seed = self.chunk_seed(index)
+                tasks = self.env.tasks("train", self.config.tasks_per_step, seed=seed)
+                version = self.engine.backend.policy_version
+                started = time.perf_counter()
+                episodes = self.engine.play(
+                    tasks,
+                    samples_per_task=self.config.samples_per_task,
+                    temperature=self.config.temperature,
+                    seed=seed,
+                )
+                seconds = time.perf_counter() - started
+                sampled = sum(episode.num_sampled_tokens for episode in episodes)
+                self.next_chunk += 1
+                self._put(Chunk(index, episodes, version, seconds, sampled))
+        except BaseException as error:  # handed to the trainer, which raises it
+            self._put(error)
+
+    def _put(self, item: Chunk | BaseException) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.out.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.gate.stop()
+
+
+class AsyncRLRun:
+    """A node's RL run: a trainer, a behaviour copy of the policy behind an inference backend,
+    and the producer thread between them. `run()` trains `config.steps` steps (continuing from
+    the last checkpoint in `checkpoint_dir` when there is one) and returns each step's metrics."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        env: Environment,
+        config: RLConfig,
+        *,
+        checkpoint_dir: Path | None = None,
+        metrics_path: Path | None = None,
+        backend: InferenceBackend | None = None,
+        on_step: StepCallback | None = None,
+        reference_model: PreTrainedModel | None = None,
+    ) -> None:
+        if config.checkpoint_every and checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs a checkpoint_dir")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.env = env
+        self.config = config
+        self.checkpoint_dir = checkpoint_dir
+        self.metrics_path = metrics_path
+        self.on_step = on_step
+        self.trainer = PolicyGradientTrainer(
+            model,
+            tokenizer,
+            lr=config.learning_rate,
+            loss=config.loss,
+            max_grad_norm=config.max_grad_norm,
+            micro_batch_size=config.micro_batch_size,
+            reference_model=reference_model,
+        )
+        self.backend = backend or HFBackend(copy.deepcopy(model).eval(), tokenizer)
+        self.stop_requested = threading.Event()
+
+    def request_stop(self) -> None:
+        """Finish the step in progress, write a checkpoint, and return from `run()`."""
+        self.stop_requested.set()
+
+    def _push_weights(self, version: int) -> None:
+        self.backend.update_weights(
+            ((name, tensor.detach()) for name, tensor in self.model.state_dict().items()),
+            version,
+        )
+
+    def _save(self, step: int, next_chunk: int, version: int) -> None:
+        assert self.checkpoint_dir is not None
+        save_training_checkpoint(
+            self.checkpoint_dir,
+            self.model,
+            self.trainer.optimizer,
+            TrainingState(
+                step=step, data_position={"next_chunk": next_chunk}, policy_version=version
+            ),
+            tokenizer=self.tokenizer,
+            keep=self.config.keep_checkpoints,
+        )
+
+    def run(self) -> list[dict[str, float]]:
+        config = self.config
+        start_step, next_chunk, version = 0, 0, 0
+        if self.checkpoint_dir is not None:
+            state = load_training_checkpoint(
+                self.checkpoint_dir, self.model, self.trainer.optimizer
+            )
+            if state is not None:
+                start_step = state.step
+                next_chunk = int(state.data_position.get("next_chunk", state.step))
+                version = state.policy_version
+                logger.info("resuming at step %d (chunk %d)", start_step, next_chunk)
+        if self.metrics_path is not None:
+            _forget_steps_from(self.metrics_path, start_step)
+        self.trainer.updates = start_step
+        self._push_weights(version)
+        # Weights reach the backend every k steps, so they lag the trainer by up to k - 1 versions:
+        # the producer may run ahead by what is left of the staleness budget.
+        run_ahead = config.max_staleness - (config.weight_sync_every - 1)
+        gate = _VersionGate(next_chunk, run_ahead)
+        chunks: queue.Queue[Chunk | BaseException] = queue.Queue(maxsize=config.max_staleness + 1)
+        engine = RolloutEngine(
+            self.backend,
+            self.env,
+            max_new_tokens=config.max_new_tokens,
+            context_policy=config.context_policy,
+        )
+        producer = RolloutProducer(engine, self.env, config, next_chunk, gate, chunks)
+        metrics_log = MetricsLogger(self.metrics_path) if self.metrics_path else None
+        history: list[dict[str, float]] = []
+        staleness = StalenessHistogram()
+        waited = 0.0
+        run_started = time.perf_counter()
+        dropped_groups = 0
+        producer.start()
+        try:
+            step = start_step
+            while step < config.steps and not self.stop_requested.is_set():
+                step_started = time.perf_counter()
+                chunk = self._next_chunk(chunks, producer)
+                waited_now = time.perf_counter() - step_started
+                waited += waited_now
+                next_chunk = chunk.index + 1
+                lag = version - chunk.policy_version
+                if lag > config.max_staleness:
+                    dropped_groups += config.tasks_per_step
+                    logger.info("dropped chunk %d: %d versions old", chunk.index, lag)
+                    gate.consumed()
+                    continue
+                staleness.add(lag, config.tasks_per_step)
+                update_started = time.perf_counter()
+                update = self.trainer.step(chunk.episodes)
+                update_seconds = time.perf_counter() - update_started
+                version += 1
+                if version % config.weight_sync_every == 0 or step + 1 == config.steps:
+                    self._push_weights(version)
+                gate.consumed()
+                elapsed = time.perf_counter() - run_started
+                metrics = {
+                    "step": float(step),
+                    **summarize_episodes(chunk.episodes),
+                    **update,
+                    "policy_version": float(version),
+                    "staleness": float(lag),
+                    "staleness_mean": staleness.mean(),
+                    "dropped_groups": float(dropped_groups),
+                    "rollout_seconds": chunk.generation_seconds,
+                    "generated_tokens_per_s": chunk.sampled_tokens
+                    / max(chunk.generation_seconds, 1e-9),
+                    "trainer_wait_seconds": waited_now,
+                    "update_seconds": update_seconds,
+                    "trainer_idle_fraction": waited / max(elapsed, 1e-9),
+                    "step_seconds": time.perf_counter() - step_started,
+                    "tokens": float(chunk.sampled_tokens),
+                }
+                metrics.update({f"staleness_{k}": float(v) for k, v in staleness.as_dict().items()})
+                history.append(metrics)
+                if metrics_log is not None:
+                    metrics_log.log(step, metrics)
+                if self.on_step is not None:
+                    self.on_step(metrics)
+                step += 1
+                if config.checkpoint_every and (
+                    step % config.checkpoint_every == 0
+                    or step == config.steps
+                    or self.stop_requested.is_set()
+                ):
+                    self._save(step, next_chunk, version)
+        finally:
+            producer.stop()
+            producer.join(timeout=60)
+            if metrics_log is not None:
+                metrics_log.close()
+        return history
+
+    def _next_chunk(
+        self, chunks: queue.Queue[Chunk | BaseException], producer: RolloutProducer
+    ) -> Chunk:
+        while True:
+            try:
+                item = chunks.get(timeout=0.5)
+            except queue.Empty:
+                if not producer.is_alive():
+                    raise PipelineStopped("the rollout producer ended unexpectedly") from None
+                continue
+            if isinstance(item, BaseException):
+                raise PipelineStopped(f"the rollout producer failed: {item!r}") from item
+            return item
+
+
+def _forget_steps_from(path: Path, step: int) -> None:
+    """Drop log lines of steps at or after `step`: a run killed after logging a step but before
+    its checkpoint redoes that step after the restart, and logs it again."""
+    if not path.is_file():
+        return
+    kept = [record for record in read_metrics(path) if int(record["step"]) < step]
+    lines = "".join(json.dumps(record, allow_nan=False) + "\n" for record in kept)
+    write_bytes_atomically(path, lines.encode("utf-8"))
+
+
+def train_rl(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    env: Environment,
+    steps: int,
+    tasks_per_step: int = 16,
+    samples_per_task: int = 8,
+    seed: int = 0,
+    on_step: StepCallback | None = None,
+    *,
+    lr: float = 2e-4,
+    temperature: float = 1.0,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    max_staleness: int = 0,
+    num_threads: int | None = None,
+    **config_options: object,
+) -> list[dict[str, float]]:
+    """Train `model` in place for `steps` updates and return each step's metrics. With the
+    default `max_staleness = 0` every batch is played by the current weights (the model itself
+    serves the rollouts, no copy); above 0 a behaviour copy runs ahead in its own thread.
+    `num_threads`, when given, sets torch's threads first."""
+    if num_threads is not None:
+        set_torch_threads(num_threads)
+    config = RLConfig.model_validate(
+        {
+            "steps": steps,
+            "tasks_per_step": tasks_per_step,
+            "samples_per_task": samples_per_task,
+            "seed": seed,
+            "learning_rate": lr,
+            "temperature": temperature,
+            "max_new_tokens": max_new_tokens,
+            "max_staleness": max_staleness,
+            **config_options,
+        }
+    )
+    backend = HFBackend(model, tokenizer) if max_staleness == 0 else None
+    return AsyncRLRun(model, tokenizer, env, config, backend=backend, on_step=on_step).run()
