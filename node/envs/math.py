@@ -1,18 +1,21 @@
-"""The `math` environment: seeded arithmetic word problems solved with a calculator tool.
-
-The model calls `calculator` (exact arithmetic parsed with `ast`, never `eval`) and ends with
-`<answer>NUMBER</answer>`; the reward is 1.0 when that number equals the reference answer.
+"""The `math` environment: arithmetic problems from word-problem templates and reasoning-gym
+datasets, solved with an exact `calculator` tool and answered as `<answer>NUMBER</answer>`; scored
+by numeric equality, or by the reasoning-gym dataset's scorer with math-verify as fallback.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
+import json
 import random
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal, localcontext
+from decimal import Decimal, DefaultContext, localcontext
 from fractions import Fraction
+from typing import TYPE_CHECKING, Any
 
 from node.envs import register_environment
 from node.envs.base import (
@@ -26,11 +29,16 @@ from node.envs.base import (
 )
 from node.tools import TOOL_ERROR_PREFIX
 
+if TYPE_CHECKING:
+    from reasoning_gym.dataset import ProceduralDataset
+
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 16
 MAX_MAGNITUDE = Fraction(10**18)
 RESULT_DECIMAL_PLACES = 6
 HELDOUT_FRACTION = 0.2
+# Longest final answer that is scored at all; longer answers get reward 0.
+MAX_ANSWER_CHARS = 64
 
 
 class CalculatorError(ValueError):
@@ -142,12 +150,15 @@ PRICES = ("0.25", "0.5", "0.75", "1.25", "1.5", "1.75", "2.25", "2.5", "3.5", "4
 
 @dataclass(frozen=True)
 class _Problem:
-    """A generated problem: its text and the calculator steps that solve it. A step may refer to
-    the previous step's result as `{previous}`."""
+    """A generated problem: its family, text and the calculator steps that solve it (a step may
+    refer to the previous step's result as `{previous}`). `answer` is the reference answer when it
+    is not the last step's result; `source` is what a reasoning-gym scorer needs."""
 
-    template: str
+    family: str
     prompt: str
     steps: tuple[str, ...]
+    answer: str | None = None
+    source: dict[str, Any] | None = None
 
 
 def _buy_boxes(rng: random.Random) -> _Problem:
@@ -238,27 +249,200 @@ def _run_steps(steps: tuple[str, ...]) -> list[tuple[str, str]]:
     return done
 
 
+def _expression_in_metadata(entry: Mapping[str, Any]) -> str:
+    return str(entry["metadata"]["expression"])
+
+
+def _expression_on_last_line(entry: Mapping[str, Any]) -> str:
+    """decimal_arithmetic's question ends with a line 'EXPRESSION = ?'."""
+    return str(entry["question"]).rsplit("\n", 1)[-1].removesuffix("= ?").strip()
+
+
+@dataclass(frozen=True)
+class ReasoningGymFamily:
+    """A reasoning-gym dataset used as a problem family: the dataset's name, its generator
+    settings (kept small so prompts stay short) and where an item states its expression."""
+
+    dataset: str
+    config: Mapping[str, int | bool]
+    expression_of: Callable[[Mapping[str, Any]], str]
+
+
+REASONING_GYM_FAMILIES: dict[str, ReasoningGymFamily] = {
+    "chain_sum": ReasoningGymFamily(
+        "chain_sum",
+        {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+        _expression_in_metadata,
+    ),
+    "basic_arithmetic": ReasoningGymFamily(
+        "basic_arithmetic",
+        {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+        _expression_in_metadata,
+    ),
+    "products": ReasoningGymFamily(
+        "products",
+        {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 3},
+        _expression_in_metadata,
+    ),
+    "decimal_arithmetic": ReasoningGymFamily(
+        "decimal_arithmetic",
+        {"min_num_decimal_places": 1, "max_num_decimal_places": 2, "min_terms": 2, "max_terms": 3},
+        _expression_on_last_line,
+    ),
+    "decimal_chain_sum": ReasoningGymFamily(
+        "decimal_chain_sum",
+        {
+            "min_terms": 2,
+            "max_terms": 3,
+            "min_digits": 1,
+            "max_digits": 2,
+            "min_decimal_places": 1,
+            "max_decimal_places": 2,
+        },
+        _expression_in_metadata,
+    ),
+}
+
+# The tiny default policy learns these from a short warm start; basic_arithmetic (negative numbers
+# and nested brackets) and decimal_arithmetic (six-place answers) stayed near 0% and are opt-in.
+DEFAULT_FAMILIES: tuple[str, ...] = (*PROBLEM_TEMPLATES, "chain_sum", "products")
+# Items of a reasoning-gym dataset are a function of (seed + index): one dataset with seed 0 is
+# indexed by a number drawn from the task generator's own random stream.
+REASONING_GYM_INDEX_SPACE = 2**31
+
+
+class UnknownProblemFamilyError(ValueError):
+    """Raised when a MathEnvironment is asked for problem families it does not have."""
+
+
+@functools.lru_cache(maxsize=64)
+def _reasoning_gym_dataset(dataset: str, config_json: str) -> ProceduralDataset:
+    """The dataset object (generator and scorer) for a name and JSON-encoded settings; cheap
+    after reasoning_gym's first import (about a second)."""
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(
+        dataset, seed=0, size=REASONING_GYM_INDEX_SPACE, **json.loads(config_json)
+    )
+
+
+def _config_json(config: Mapping[str, Any]) -> str:
+    return json.dumps(dict(config), sort_keys=True)
+
+
+PLAIN_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)")
+# math-verify runs without its signal-based timeouts (rollouts run outside the main thread), so
+# only short answers made of numbers, + - /, brackets and fraction LaTeX reach it: no powers
+# (`^`, `**`) or factorials, which sympy would try to expand.
+MATH_VERIFY_LATEX_COMMANDS = re.compile(r"\\(?:[dt]?frac|boxed|left|right)(?![A-Za-z])")
+MATH_VERIFY_CHARACTERS = re.compile(r"[0-9\s.,+\-/(){}$]*")
+
+
+def answers_equivalent(gold: str, prediction: str) -> bool:
+    """Whether math-verify judges `prediction` equal to `gold` (e.g. '1/2' and '0.5'); False for
+    text longer than MAX_ANSWER_CHARS or outside the grammar above."""
+    for text in (gold, prediction):
+        if len(text) > MAX_ANSWER_CHARS:
+            return False
+        if not MATH_VERIFY_CHARACTERS.fullmatch(MATH_VERIFY_LATEX_COMMANDS.sub("", text)):
+            return False
+    from math_verify import parse, verify
+
+    parsed_gold = parse(gold, parsing_timeout=None)
+    parsed_prediction = parse(prediction, parsing_timeout=None)
+    if not parsed_gold or not parsed_prediction:
+        return False
+    return bool(verify(parsed_gold, parsed_prediction, timeout_seconds=None))
+
+
+def reasoning_gym_reward(source: Mapping[str, Any], answer: str | None) -> float:
+    """1.0 when the reasoning-gym dataset in `source` (a task's `metadata["reasoning_gym"]`) gives
+    `answer` full credit, or when `answer` is not a plain decimal and math-verify finds it equal
+    to the reference; else 0.0 (partial credit counts as a miss)."""
+    if answer is None or len(answer) > MAX_ANSWER_CHARS:
+        return 0.0
+    answer = answer.strip()
+    entry = source["entry"]
+    dataset = _reasoning_gym_dataset(source["dataset"], _config_json(source["config"]))
+    with localcontext(DefaultContext):
+        try:
+            score = float(dataset.score_answer(answer, entry))
+        except (ArithmeticError, ValueError, TypeError):
+            score = 0.0
+    if score >= 1.0:
+        return 1.0
+    if PLAIN_DECIMAL.fullmatch(answer):
+        # A plain number was compared exactly (or within the dataset's tolerance) already;
+        # math-verify would only add its six-place float rounding.
+        return 0.0
+    return 1.0 if answers_equivalent(str(entry["answer"]), answer) else 0.0
+
+
+def _reasoning_gym_problem(family_name: str, rng: random.Random) -> _Problem | None:
+    """One item of a reasoning-gym family, or None when the calculator's result on the item's
+    expression would not get full credit (basic_arithmetic's floor-division answers, say)."""
+    family = REASONING_GYM_FAMILIES[family_name]
+    config_json = _config_json(family.config)
+    index = rng.randrange(REASONING_GYM_INDEX_SPACE)
+    try:
+        # decimal_arithmetic sets the thread's decimal precision: keep that change local.
+        with localcontext(DefaultContext):
+            item = _reasoning_gym_dataset(family.dataset, config_json)[index]
+    except ArithmeticError:  # an expression that divides by zero
+        return None
+    entry = json.loads(json.dumps(item))  # plain JSON types, so tasks serialize and compare
+    expression = family.expression_of(entry)
+    source = {
+        "dataset": family.dataset,
+        "config": json.loads(config_json),
+        "index": index,
+        "entry": entry,
+    }
+    result = calculator(expression)
+    if result.startswith(TOOL_ERROR_PREFIX) or reasoning_gym_reward(source, result) < 1.0:
+        return None
+    return _Problem(family_name, entry["question"], (expression,), entry["answer"], source)
+
+
+def _generate_problem(family: str, rng: random.Random) -> _Problem | None:
+    if family in PROBLEM_TEMPLATES:
+        return PROBLEM_TEMPLATES[family](rng)
+    return _reasoning_gym_problem(family, rng)
+
+
 @register_environment
 class MathEnvironment(Environment):
-    """Arithmetic word problems; one or two calculator calls, then `<answer>…</answer>`."""
+    """Arithmetic problems; one or two calculator calls, then `<answer>…</answer>`."""
 
     name = "math"
     system_prompt = (
-        "Solve the word problem. Use the calculator tool for the arithmetic, then reply with "
+        "Solve the problem. Use the calculator tool for the arithmetic, then reply with "
         "the final number as <answer>NUMBER</answer>."
     )
 
-    def __init__(self, max_turns: int = 4, templates: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self,
+        max_turns: int = 4,
+        families: Sequence[str] | None = None,
+        *,
+        templates: Sequence[str] | None = None,
+    ) -> None:
+        """`families` picks the problem families, drawn uniformly: names of PROBLEM_TEMPLATES or
+        REASONING_GYM_FAMILIES (default DEFAULT_FAMILIES); `templates` is its older name."""
         if max_turns < 2:
             raise ValueError("max_turns must be at least 2: one tool turn and one answer turn")
-        chosen = tuple(PROBLEM_TEMPLATES) if templates is None else templates
-        unknown = sorted(set(chosen) - set(PROBLEM_TEMPLATES))
+        if families is not None and templates is not None:
+            raise ValueError("give families or templates (its older name), not both")
+        requested = families if families is not None else templates
+        chosen = DEFAULT_FAMILIES if requested is None else tuple(requested)
+        known = (*PROBLEM_TEMPLATES, *REASONING_GYM_FAMILIES)
+        unknown = sorted(set(chosen) - set(known))
         if unknown or not chosen:
-            raise ValueError(
-                f"unknown problem templates {unknown}; known: {', '.join(PROBLEM_TEMPLATES)}"
+            raise UnknownProblemFamilyError(
+                f"unknown problem families {unknown}; known: {', '.join(known)}"
             )
         self.max_turns = max_turns
-        self.templates = chosen
+        self.families = chosen
 
     @property
     def tools(self) -> list[ToolFunction]:
@@ -266,7 +450,7 @@ class MathEnvironment(Environment):
 
     def tasks(self, split: Split, n: int, seed: int = 0) -> list[Task]:
         check_split(split)
-        rng = random.Random(f"math/{split}/{seed}/{','.join(self.templates)}")
+        rng = random.Random(f"math/{split}/{seed}/{','.join(self.families)}")
         tasks: list[Task] = []
         seen: set[str] = set()
         attempts = 0
@@ -274,23 +458,33 @@ class MathEnvironment(Environment):
             attempts += 1
             if attempts > 100 * n + 1000:
                 raise RuntimeError(f"could not generate {n} distinct {split} math tasks")
-            problem = PROBLEM_TEMPLATES[rng.choice(self.templates)](rng)
-            if problem.prompt in seen or split_of_text(problem.prompt, HELDOUT_FRACTION) != split:
+            problem = _generate_problem(rng.choice(self.families), rng)
+            if problem is None or problem.prompt in seen:
+                continue
+            if split_of_text(problem.prompt, HELDOUT_FRACTION) != split:
                 continue
             seen.add(problem.prompt)
             steps = _run_steps(problem.steps)
+            metadata: dict[str, Any] = {"family": problem.family, "steps": list(problem.steps)}
+            if problem.source is not None:
+                metadata["reasoning_gym"] = problem.source
             digest = hashlib.sha256(problem.prompt.encode("utf-8")).hexdigest()[:16]
             tasks.append(
                 Task(
                     id=f"math-{digest}",
                     prompt=problem.prompt,
-                    answer=steps[-1][1],
-                    metadata={"template": problem.template, "steps": list(problem.steps)},
+                    answer=steps[-1][1] if problem.answer is None else problem.answer,
+                    metadata=metadata,
                 )
             )
         return tasks
 
     def reward(self, task: Task, final_answer: str | None) -> float:
+        if final_answer is None or len(final_answer) > MAX_ANSWER_CHARS:
+            return 0.0
+        source = task.metadata.get("reasoning_gym")
+        if source is not None:
+            return reasoning_gym_reward(source, final_answer)
         given = parse_number(final_answer)
         expected = parse_number(task.answer)
         return 1.0 if given is not None and given == expected else 0.0
