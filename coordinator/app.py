@@ -1,4 +1,5 @@
-"""The coordinator's HTTP face: the /v1 JSON API, the Hugging Face download routes, and serving.
+"""The coordinator's HTTP face: the /v1 JSON API, the operator API, the Hugging Face download
+routes, /metrics, the dashboard page, and serving.
 
 `create_app` builds the FastAPI app around a Coordinator; `serve` runs it under uvicorn with the
 libp2p host in its own thread, and stops both cleanly on SIGINT/SIGTERM.
@@ -8,17 +9,21 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from sqlalchemy import select
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, MergePlan
+from coordinator.dashboard import dashboard_router
 from coordinator.hub_api import hub_router
+from coordinator.operator_api import CheckpointOut, RoundOut, operator_router
+from coordinator.prometheus import instrument_app
 from coordinator.service import Coordinator
 from coordinator.store import DeltaRecord, RoundRecord
 
@@ -33,18 +38,7 @@ class InfoOut(BaseModel):
     round: int
     base_id: str
     base_revision: str
-
-
-class CheckpointOut(BaseModel):
-    id: str
-    revision: str
-    round: int
-    parent: str | None
-    method: str | None
-    created_at: str
-    size: int
-    retired: bool
-    evaluation: dict[str, Any] | None = None
+    merge: MergePlan
 
 
 class DeltaOut(BaseModel):
@@ -57,21 +51,25 @@ class DeltaOut(BaseModel):
     steps: int | None
     status: str
     reason: str | None
+    rejection_kind: str | None = None
     metrics: dict[str, Any]
+    checks: dict[str, Any] | None = Field(default=None, description="what the gates measured")
     received_at: dt.datetime
 
 
-class RoundOut(BaseModel):
-    number: int
-    base_id: str
-    status: str
-    method: dict[str, Any]
-    inputs: list[str]
-    evaluation: dict[str, Any]
-    checkpoint_id: str | None
-    error: str | None
-    started_at: dt.datetime
-    finished_at: dt.datetime | None
+class NodeOut(BaseModel):
+    """A peer the coordinator has heard from, with its latest progress and its verdict counts."""
+
+    peer_id: str
+    domain: str | None
+    first_seen: dt.datetime
+    last_seen: dt.datetime
+    last_heartbeat: dt.datetime | None = None
+    round: int | None = None
+    step: int | None = None
+    reward: float | None = None
+    accepted: int = Field(description="deltas accepted or merged")
+    rejected: int
 
 
 def _coordinator(request: Request) -> Coordinator:
@@ -93,6 +91,7 @@ def v1_router() -> APIRouter:
             round=c.current_round().number,
             base_id=base.id,
             base_revision=base.revision,
+            merge=c.config.merge,
         )
 
     @router.get("/checkpoints", response_model=list[CheckpointOut])
@@ -144,11 +143,23 @@ def v1_router() -> APIRouter:
             rows = s.scalars(select(RoundRecord).order_by(RoundRecord.number))
             return [RoundOut.model_validate(r, from_attributes=True) for r in rows]
 
+    @router.get("/nodes", response_model=list[NodeOut])
+    def nodes(request: Request) -> list[NodeOut]:
+        return [NodeOut.model_validate(node) for node in _coordinator(request).nodes()]
+
     return router
 
 
 def create_app(coordinator: Coordinator) -> FastAPI:
-    """The FastAPI app; the coordinator starts with the app and stops with it."""
+    """The FastAPI app; the coordinator starts with the app and stops with it.
+
+    The operator token is read now from the environment variable the config names; without it
+    the operator routes answer 503.
+    """
+    token_env = coordinator.config.operator_token_env
+    operator_token = os.environ.get(token_env, "").strip() or None
+    if operator_token is None:
+        log.warning("operator API disabled: set $%s to enable it", token_env)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -166,7 +177,10 @@ def create_app(coordinator: Coordinator) -> FastAPI:
         return {"ok": True}
 
     app.include_router(v1_router())
+    app.include_router(operator_router(coordinator, operator_token, token_env))
+    app.include_router(dashboard_router())
     app.include_router(hub_router(coordinator.registry))
+    instrument_app(app, coordinator.metrics)
     return app
 
 

@@ -7,6 +7,8 @@ checkpoints: model info, file trees, and files by revision with ETag and Range. 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import re
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -22,9 +24,11 @@ from coordinator.registry import (
     CheckpointInfo,
     EntryNotFound,
     Registry,
+    RegistryError,
     RevisionNotFound,
 )
-from merge.checkpoint import MAX_MANIFEST_BYTES
+
+log = logging.getLogger(__name__)
 
 STREAM_CHUNK_BYTES = 1024 * 1024
 MANIFEST_MEDIA_TYPE = "application/msgpack"
@@ -119,6 +123,9 @@ def hub_router(registry: Registry) -> APIRouter:
             info = registry.get(revision)
         except RevisionNotFound as exc:
             raise HubHTTPError("RevisionNotFound", f"Invalid rev id: {revision}") from exc
+        except RegistryError as exc:  # damaged on disk: logged, never served
+            log.error("revision %s of %s is unreadable: %s", revision, registry.repo_id, exc)
+            raise HubHTTPError("RevisionNotFound", f"Revision {revision} is unreadable") from exc
         if info.retired:
             raise HubHTTPError("RevisionNotFound", f"Revision {revision} was retired")
         return info
@@ -194,6 +201,13 @@ def hub_router(registry: Registry) -> APIRouter:
                 path = registry.file_path(info, relative_path)
             except EntryNotFound as exc:
                 raise HubHTTPError("EntryNotFound", str(exc), repo_commit=info.revision) from exc
+            except RegistryError as exc:  # damaged on disk (e.g. a symlink): never followed
+                log.error("refusing to serve %s at %s: %s", relative_path, info.revision, exc)
+                raise HubHTTPError(
+                    "EntryNotFound",
+                    f"{registry.repo_id}@{info.revision} cannot serve {relative_path!r}",
+                    repo_commit=info.revision,
+                ) from exc
         except HubHTTPError as error:
             return error.response()
         entry = registry.manifest(info).file(relative_path)
@@ -255,8 +269,14 @@ def hub_router(registry: Registry) -> APIRouter:
             info = checkpoint_at(namespace, name, revision)
         except HubHTTPError as error:
             return error.response()
-        with open(registry.manifest_path(info), "rb") as handle:
-            raw = handle.read(MAX_MANIFEST_BYTES + 1)
+        try:
+            # The manifest as verified in memory (its sha256 is the id), never re-read from disk.
+            raw = registry.manifest(info).encode()
+        except RegistryError as exc:
+            log.error("refusing to serve the manifest of %s: %s", info.revision, exc)
+            return HubHTTPError(
+                "RevisionNotFound", f"checkpoint {info.revision} is unreadable"
+            ).response()
         headers = {"X-Repo-Commit": info.revision, "X-Checkpoint-Id": info.id}
         return Response(content=raw, media_type=MANIFEST_MEDIA_TYPE, headers=headers)
 
@@ -330,7 +350,9 @@ def _parse_byte_range(header: str, size: int) -> tuple[int, int]:
 
 
 def _read_chunks(path: Path, start: int, length: int) -> Iterator[bytes]:
-    with open(path, "rb") as handle:
+    # O_NOFOLLOW: a file swapped for a symlink after file_path checked it is still refused.
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(descriptor, "rb") as handle:
         handle.seek(start)
         remaining = length
         while remaining > 0:

@@ -1,4 +1,5 @@
-"""The coordinator's records in SQL (SQLite by default): deltas and verdicts, rounds, checkpoints.
+"""The coordinator's records in SQL (SQLite by default): deltas and verdicts, rounds, checkpoints,
+the nodes heard from, operator settings and the operator's actions.
 
 Blobs and checkpoint files live on disk; this store holds what was decided about them and why.
 """
@@ -10,12 +11,34 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Integer, LargeBinary, String, Text, create_engine, event
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    create_engine,
+    event,
+    inspect,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def as_utc(moment: dt.datetime) -> dt.datetime:
+    """A stored time as an aware UTC datetime (SQLite hands back naive ones)."""
+    return moment.replace(tzinfo=dt.UTC) if moment.tzinfo is None else moment.astimezone(dt.UTC)
+
+
+class StoreError(RuntimeError):
+    """The database cannot be used as this version of the coordinator needs it."""
 
 
 class Base(DeclarativeBase):
@@ -36,7 +59,9 @@ class DeltaRecord(Base):
     steps: Mapped[int | None] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), index=True)  # accepted | rejected | merged
     reason: Mapped[str | None] = mapped_column(Text)
+    rejection_kind: Mapped[str | None] = mapped_column(String(16))  # see gates.REJECTION_KINDS
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    checks: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # what the gates measured
     manifest: Mapped[bytes | None] = mapped_column(LargeBinary)  # only for verified manifests
     received_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
@@ -48,10 +73,17 @@ class RoundRecord(Base):
 
     number: Mapped[int] = mapped_column(Integer, primary_key=True)
     base_id: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16))  # open | merging | published | failed
+    status: Mapped[str] = mapped_column(
+        String(16)
+    )  # open | merging | published | failed | abandoned
     method: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     inputs: Mapped[list[str]] = mapped_column(JSON, default=list)
+    # {label: {domain: score}}; labels "base", "expert:<domain>:<delta id[:12]>", "merged"
     evaluation: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # [{spec, validation: {domain: score}, score, chosen}] when merge.candidates are tried
+    candidates: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    trigger: Mapped[str | None] = mapped_column(String(16))  # quorum | deadline | operator
+    merge_seconds: Mapped[float | None] = mapped_column(Float)
     checkpoint_id: Mapped[str | None] = mapped_column(String(64))
     error: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -71,6 +103,53 @@ class CheckpointRecord(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class NodeRecord(Base):
+    """A peer heard from: by heartbeat gossip or by announcing a delta."""
+
+    __tablename__ = "nodes"
+
+    peer_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    domain: Mapped[str | None] = mapped_column(String(64))
+    round: Mapped[int | None] = mapped_column(Integer)
+    step: Mapped[int | None] = mapped_column(Integer)
+    reward: Mapped[float | None] = mapped_column(Float)
+    first_seen: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_heartbeat: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class PeerAccessRecord(Base):
+    """An operator's verdict on a peer: allowed (added to the allow-list) or denied."""
+
+    __tablename__ = "peer_access"
+
+    peer_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    allowed: Mapped[bool] = mapped_column(Boolean)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class SettingRecord(Base):
+    """A setting changed at run time that outlives a restart (e.g. the merge spec)."""
+
+    __tablename__ = "settings"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[Any] = mapped_column(JSON)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class OperatorActionRecord(Base):
+    """One thing the operator did (set the merge spec, allow or deny a peer, retire, merge now)."""
+
+    __tablename__ = "operator_actions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    action: Mapped[str] = mapped_column(String(32))
+    subject: Mapped[str | None] = mapped_column(String(128))
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class CoordinatorStore:
     """Opens the database, creates the tables, and hands out transactional sessions."""
 
@@ -86,6 +165,7 @@ class CoordinatorStore:
                 cur.close()
 
         Base.metadata.create_all(self.engine)
+        self._add_missing_columns()
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager
@@ -94,5 +174,54 @@ class CoordinatorStore:
         with self._sessions() as session, session.begin():
             yield session
 
+    def setting(self, key: str) -> Any:
+        """A stored setting's value, or None."""
+        with self.session() as s:
+            row = s.get(SettingRecord, key)
+            return None if row is None else row.value
+
+    def set_setting(self, key: str, value: Any) -> None:
+        with self.session() as s:
+            s.merge(SettingRecord(key=key, value=value, updated_at=utcnow()))
+
     def close(self) -> None:
         self.engine.dispose()
+
+    def _add_missing_columns(self) -> None:
+        """Bring tables made by an older version up to date by adding the columns they lack.
+
+        Every column added since the first version is nullable or has a JSON default, so old
+        rows stay valid; anything else is refused with the column's name.
+        """
+        inspector = inspect(self.engine)
+        with self.engine.begin() as conn:
+            for table in Base.metadata.sorted_tables:
+                present = {column["name"] for column in inspector.get_columns(table.name)}
+                for column in table.columns:
+                    if column.name in present:
+                        continue
+                    default = _json_default_literal(column.default)
+                    if column.primary_key or (not column.nullable and default is None):
+                        raise StoreError(
+                            f"table {table.name} lacks column {column.name}, which cannot be "
+                            "added in place; move the old database aside"
+                        )
+                    ddl_type = column.type.compile(dialect=self.engine.dialect)
+                    clause = f" DEFAULT '{default}'" if default is not None else ""
+                    conn.execute(
+                        text(
+                            f"ALTER TABLE {table.name} ADD COLUMN {column.name} {ddl_type}{clause}"
+                        )
+                    )
+
+
+def _json_default_literal(default: Any) -> str | None:
+    """'{}' or '[]' for a column defaulting to dict or list; None otherwise."""
+    if default is None or not getattr(default, "is_callable", False):
+        return None
+    value = default.arg(None)
+    if value == {}:
+        return "{}"
+    if value == []:
+        return "[]"
+    return None

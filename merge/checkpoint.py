@@ -283,9 +283,15 @@ def write_manifest(folder: Path, manifest: CheckpointManifest) -> Path:
 def read_manifest(folder: Path) -> CheckpointManifest:
     """Read `folder`/skillswarm_manifest.msgpack; raises CheckpointError if absent or bad."""
     path = Path(folder) / MANIFEST_FILE_NAME
+    if path.is_symlink():
+        raise CheckpointError(f"{path} is a symlink, not the manifest file")
     try:
-        with open(path, "rb") as handle:
+        # O_NOFOLLOW: a manifest replaced by a symlink is refused, never read through.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(descriptor, "rb") as handle:
             raw = handle.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{folder} has no {MANIFEST_FILE_NAME}") from exc
+    except OSError as exc:  # ELOOP: a symlink
+        raise CheckpointError(f"{path} is not a regular file: {exc.strerror}") from exc
     return CheckpointManifest.decode(raw)

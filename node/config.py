@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from node.pipeline import RLConfig
 
-class TrainConfig(BaseModel):
-    """The RL budget and hyper-parameters of one round on this node."""
+
+class InferenceConfig(BaseModel):
+    """Which engine plays the rollouts: `hf` (transformers; CPU default) or `vllm` (a CUDA GPU and
+    `pip install 'skillswarm[gpu]'`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    steps: int = Field(default=8, ge=1, description="policy updates per round")
-    tasks_per_step: int = Field(default=8, ge=1)
-    samples_per_task: int = Field(default=4, ge=2, description="group size for advantages")
-    learning_rate: float = Field(default=2e-4, gt=0)
-    temperature: float = Field(default=1.0, gt=0)
+    backend: Literal["hf", "vllm"] = "hf"
+    max_batch_size: int = Field(default=256, ge=1, description="hf: sequences per forward")
+    gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1, description="vllm")
+    max_model_len: int = Field(default=4096, ge=256, description="vllm: context length")
+    dtype: str = Field(default="bfloat16", description="vllm: weights dtype")
+    engine_options: dict[str, Any] = Field(
+        default_factory=dict, description="vllm: more keyword arguments for vllm.LLM"
+    )
 
 
 class NodeConfig(BaseModel):
@@ -38,7 +45,22 @@ class NodeConfig(BaseModel):
     seed: int = 0
     torch_threads: int = Field(default=1, ge=1)
     round_timeout_s: float = Field(default=3600.0, gt=0)
-    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint_every: int = Field(
+        default=1,
+        ge=0,
+        description="training checkpoints every N steps (a restart resumes); 0: off",
+    )
+    health_host: str = "127.0.0.1"
+    health_port: int | None = Field(
+        default=None,
+        ge=0,
+        description="serve /healthz and /metrics here; 0 picks a port; unset: off",
+    )
+    train: RLConfig = Field(
+        default_factory=RLConfig,
+        description="one round's RL budget and hyper-parameters ([train], [train.loss])",
+    )
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
 
     @property
     def identity_path(self) -> Path:

@@ -8,22 +8,25 @@ gossip and serve it until the coordinator has it, then wait for the merged check
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from merge.streaming import iter_base_tensors
 from node.config import NodeConfig
+from node.health import HealthServer, NodeStatus
 from protocol.blobstore import BlobStore
 from protocol.delta import pack_delta
 from protocol.host import SwarmHost
 from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
 from protocol.manifest import SignedManifest, sign_manifest
-from protocol.messages import DeltaAnnounced, encode_message
+from protocol.messages import DeltaAnnounced, NodeHeartbeat, decode_message, encode_message
 from protocol.pull import pull
 
 log = logging.getLogger(__name__)
@@ -89,9 +92,16 @@ class NodeDaemon:
         self.client = CoordinatorClient(config.coordinator_url)
         self._stop = threading.Event()
         self.host: SwarmHost | None = None
+        self.status = NodeStatus(self.peer_id, config.domain)
+        self._training: Any = None  # the AsyncRLRun in progress, if any
 
     def stop(self) -> None:
+        """End the daemon: a training step in progress finishes and is checkpointed (the next
+        start resumes it); waits are abandoned."""
         self._stop.set()
+        training = self._training
+        if training is not None:
+            training.request_stop()
 
     def run(self) -> list[RoundResult]:
         import torch
@@ -109,6 +119,11 @@ class NodeDaemon:
         log.info(
             "node %s (%s) listening on %s", self.peer_id, self.config.domain, self.host.listen_addrs
         )
+        health = None
+        if self.config.health_port is not None:
+            health = HealthServer(
+                self.status, self.config.health_host, self.config.health_port
+            ).start()
         try:
             self._connect(info)
             results = []
@@ -116,10 +131,16 @@ class NodeDaemon:
             while not self._stop.is_set() and (
                 self.config.rounds == 0 or done < self.config.rounds
             ):
-                results.append(self.run_round(self.client.info()))
+                result = self.run_round(self.client.info())
+                if result is None:  # stopped mid-round; the next start resumes it
+                    break
+                results.append(result)
                 done += 1
             return results
         finally:
+            self.status.update(phase="stopped")
+            if health is not None:
+                health.stop()
             self.host.stop()
             self.client.close()
 
@@ -134,48 +155,122 @@ class NodeDaemon:
         if not self.host.connected_peers():
             raise NodeError(f"could not reach the coordinator's peer at {info['multiaddrs']}")
 
-    def run_round(self, info: dict) -> RoundResult:
-        """Train one round on the current base and publish the delta; wait for the merge."""
+    def run_round(self, info: dict) -> RoundResult | None:
+        """Train one round on the current base and publish the delta; wait for the merge.
+        Returns None when the daemon was stopped during training (its checkpoint is kept, and
+        the next start resumes it). A delta already published for this round and base (the
+        daemon restarted after publishing) is announced again instead of trained anew."""
         assert self.host is not None
         number, base_id, revision = info["round"], info["base_id"], info["base_revision"]
-        base_dir = self.config.work_dir / "checkpoints" / revision
-        self._collect_garbage(keep_checkpoint=revision)
+        kept = self._kept_delta(base_id, number)
+        self._collect_garbage(
+            keep_checkpoint=revision,
+            keep_blobs=set(kept.verify().blobs) if kept is not None else set(),
+            keep_training=self._training_dir(base_id, number).name,
+        )
+        self.status.update(phase="pulling", round=number, step=0)
         log.info("round=%d pulling base %s", number, base_id[:12])
+        base_dir = self.config.work_dir / "checkpoints" / revision
         pull(
             self.config.coordinator_url, revision, base_dir, repo_id=info["repo_id"], progress=False
         )
+        if kept is None:
+            trained = self._train(number, base_id, base_dir)
+            if trained is None:
+                return None
+            signed, metrics = trained
+        else:
+            signed = kept
+            metrics = dict(signed.verify().metrics)
+            log.info(
+                "round=%d re-announcing delta %s kept from before a restart",
+                number,
+                signed.manifest_id[:12],
+            )
+        for sha in signed.verify().blobs:
+            self.host.serve_blob(sha)
+        self.status.update(phase="announcing")
+        record = self._announce_until_recorded(signed)
+        if record is None:
+            return None
+        if record["status"] == "rejected":
+            raise NodeError(
+                f"coordinator rejected delta {signed.manifest_id[:12]}: {record['reason']}"
+            )
+        self.status.update(phase="waiting for the merge")
+        next_base = self._wait_for_next_base(base_id)
+        if next_base is None and self._stop.is_set():
+            return None
+        self.status.rounds.inc()
+        return RoundResult(
+            number,
+            base_id,
+            signed.manifest_id,
+            record["status"],
+            record.get("reason"),
+            next_base,
+            metrics,
+        )
 
+    def _training_dir(self, base_id: str, number: int) -> Path:
+        return self.config.work_dir / "training" / f"round-{number}-{base_id[:16]}"
+
+    def _train(
+        self, number: int, base_id: str, base_dir: Path
+    ) -> tuple[SignedManifest, dict[str, float]] | None:
+        """RL on the base (resuming this round's checkpoint if there is one), then the signed
+        delta; None when stopped before the last step."""
         from node.envs import get_environment
         from node.model import load_policy
-        from node.pipeline import train_rl
+        from node.pipeline import AsyncRLRun
 
         model, tokenizer = load_policy(base_dir)
         env = get_environment(self.config.domain)
-        train = self.config.train
+        train = self.config.train.model_copy(
+            update={
+                "seed": self.config.seed + 1000 * number,
+                "checkpoint_every": self.config.checkpoint_every,
+            }
+        )
+        self.status.update(phase="training")
 
         def on_step(metrics: dict[str, float]) -> None:
+            step = int(metrics["step"]) + 1
+            reward = metrics.get("reward_mean")
             log.info(
-                "round=%d step=%d/%d reward=%.3f success=%.3f tool_calls=%.2f",
+                "round=%d step=%d/%d reward=%.3f success=%.3f tool_calls=%.2f staleness=%d",
                 number,
-                int(metrics["step"]) + 1,
+                step,
                 train.steps,
                 metrics.get("reward_mean", float("nan")),
                 metrics.get("success_rate", float("nan")),
                 metrics.get("tool_calls_mean", float("nan")),
+                int(metrics.get("staleness", 0)),
             )
+            self.status.update(step=step, reward=reward)
+            self._heartbeat(number, step, reward)
 
-        history = train_rl(
+        run = AsyncRLRun(
             model,
             tokenizer,
             env,
-            steps=train.steps,
-            tasks_per_step=train.tasks_per_step,
-            samples_per_task=train.samples_per_task,
-            seed=self.config.seed + 1000 * number,
+            train,
+            backend=self._inference_backend(base_dir, model, tokenizer),
             on_step=on_step,
-            lr=train.learning_rate,
-            temperature=train.temperature,
+            metrics_path=self.config.work_dir / "metrics" / f"round-{number}.jsonl",
+            checkpoint_dir=self._training_dir(base_id, number) if train.checkpoint_every else None,
         )
+        self._training = run
+        try:
+            if self._stop.is_set():
+                run.request_stop()
+            history = run.run()
+        finally:
+            self._training = None
+        steps_done = int(history[-1]["step"]) + 1 if history else 0
+        if self._stop.is_set() and steps_done < train.steps:
+            log.info("round=%d stopped after step %d; a restart resumes it", number, steps_done)
+            return None
         base = dict(iter_base_tensors(base_dir))
         state = model.state_dict()
         last = history[-1] if history else {}
@@ -194,6 +289,7 @@ class NodeDaemon:
         )
         signed = sign_manifest(manifest, self.key_pair)
         self._keep_manifest(signed)
+        self.status.deltas.inc()
         log.info(
             "round=%d delta %s: %d tensors changed, %d bytes",
             number,
@@ -201,32 +297,78 @@ class NodeDaemon:
             len(manifest.tensors),
             sum(manifest.blobs.values()),
         )
-        for sha in manifest.blobs:
-            self.host.serve_blob(sha)
-        record = self._announce_until_recorded(signed)
-        if record["status"] == "rejected":
-            raise NodeError(
-                f"coordinator rejected delta {signed.manifest_id[:12]}: {record['reason']}"
-            )
-        next_base = self._wait_for_next_base(base_id)
-        return RoundResult(
-            number,
-            base_id,
-            signed.manifest_id,
-            record["status"],
-            record.get("reason"),
-            next_base,
-            metrics,
+        return signed, metrics
+
+    def _kept_delta(self, base_id: str, number: int) -> SignedManifest | None:
+        """A delta this node signed for this base and round, with all its blobs still here."""
+        folder = self.config.work_dir / "deltas"
+        for path in sorted(folder.glob("*.msgpack")) if folder.is_dir() else []:
+            try:
+                message = decode_message(path.read_bytes())
+                if not isinstance(message, DeltaAnnounced):
+                    continue
+                signed = SignedManifest(
+                    manifest_bytes=message.manifest_bytes, signature=message.signature
+                )
+                manifest = signed.verify()
+            except Exception as error:  # a damaged record is not reused
+                log.warning("ignoring unreadable kept delta %s: %s", path.name, error)
+                continue
+            if (
+                manifest.base_id == base_id
+                and manifest.round == number
+                and manifest.peer_id == self.peer_id
+                and all(self.blobs.has(sha) for sha in manifest.blobs)
+            ):
+                return signed
+        return None
+
+    def _heartbeat(self, round_number: int, step: int, reward: float | None) -> None:
+        """Tell the swarm this node is alive and how far it is (best effort)."""
+        if self.host is None:
+            return
+        finite = reward if reward is not None and math.isfinite(reward) else None
+        message = NodeHeartbeat(
+            domain=self.config.domain, round=round_number, step=step, reward=finite
+        )
+        try:
+            self.host.publish(encode_message(message))
+        except Exception as error:  # a missed heartbeat is harmless; training goes on
+            log.debug("heartbeat not sent: %s", error)
+
+    def _inference_backend(self, base_dir: Path, model: Any, tokenizer: Any) -> Any:
+        """The configured rollout engine, holding the round's base weights."""
+        settings = self.config.inference
+        if settings.backend == "hf":
+            import copy
+
+            from node.inference import HFBackend
+
+            behaviour = model if self.config.train.max_staleness == 0 else copy.deepcopy(model)
+            return HFBackend(behaviour.eval(), tokenizer, max_batch_size=settings.max_batch_size)
+        from node.inference_vllm import VLLMBackend
+
+        return VLLMBackend(
+            base_dir,
+            tokenizer=tokenizer,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_model_len=settings.max_model_len,
+            dtype=settings.dtype,
+            seed=self.config.seed,
+            engine_options=settings.engine_options,
         )
 
-    def _collect_garbage(self, keep_checkpoint: str) -> None:
-        """A new round starts: earlier deltas were merged, earlier bases are superseded."""
-        removed = self.blobs.gc(keep=set())
-        checkpoints = self.config.work_dir / "checkpoints"
-        if checkpoints.is_dir():
-            for folder in checkpoints.iterdir():
-                if folder.is_dir() and folder.name != keep_checkpoint:
-                    shutil.rmtree(folder, ignore_errors=True)
+    def _collect_garbage(
+        self, keep_checkpoint: str, keep_blobs: set[str], keep_training: str
+    ) -> None:
+        """A new round starts: earlier deltas were merged, earlier bases are superseded, earlier
+        rounds' training checkpoints are done with."""
+        removed = self.blobs.gc(keep=keep_blobs)
+        for parent, keep in (("checkpoints", keep_checkpoint), ("training", keep_training)):
+            folder = self.config.work_dir / parent
+            for child in folder.iterdir() if folder.is_dir() else []:
+                if child.is_dir() and child.name != keep:
+                    shutil.rmtree(child, ignore_errors=True)
         if removed:
             log.info("removed %d blobs of earlier rounds", removed)
 
@@ -242,8 +384,9 @@ class NodeDaemon:
         )
         return path
 
-    def _announce_until_recorded(self, signed: SignedManifest) -> dict:
-        """Announce on gossip, again every few seconds, until the coordinator records a verdict."""
+    def _announce_until_recorded(self, signed: SignedManifest) -> dict | None:
+        """Announce on gossip, again every few seconds, until the coordinator records a verdict
+        (None when the daemon is stopped first)."""
         assert self.host is not None
         message = encode_message(
             DeltaAnnounced(manifest_bytes=signed.manifest_bytes, signature=signed.signature)
@@ -264,6 +407,8 @@ class NodeDaemon:
                 log.info("delta %s is %s", signed.manifest_id[:12], record["status"])
                 return record
             self._stop.wait(1.0)
+        if self._stop.is_set():
+            return None
         raise NodeError(f"coordinator did not record delta {signed.manifest_id[:12]} in time")
 
     def _wait_for_next_base(self, base_id: str) -> str | None:

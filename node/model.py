@@ -243,6 +243,7 @@ def create_base_checkpoint(
     warm_start_batch_size: int = DEFAULT_WARM_START_BATCH_SIZE,
     warm_start_lr: float = DEFAULT_WARM_START_LR,
     num_threads: int | None = 1,
+    tokenizer_corpus_tasks: int = TOKENIZER_CORPUS_TASKS,
 ) -> Path:
     """Build the tokenizer and tiny model, warm-start them on the domains' solver demonstrations
     and save a Hugging Face folder at `out_dir`. The same seed gives the same checkpoint."""
@@ -253,7 +254,7 @@ def create_base_checkpoint(
     environments = [get_environment(domain) for domain in domains]
     template_only = build_tokenizer(TEMPLATE_FIXED_STRINGS)
     corpus = list(TEMPLATE_FIXED_STRINGS)
-    corpus += render_demonstrations(template_only, environments, TOKENIZER_CORPUS_TASKS, seed)
+    corpus += render_demonstrations(template_only, environments, tokenizer_corpus_tasks, seed)
     tokenizer = build_tokenizer(corpus)
     model = build_tiny_model(tokenizer, seed=seed)
     losses = supervised_warm_start(

@@ -6,9 +6,9 @@ the policy version that generated it (each sampled token also carries its own). 
 inference backend every `weight_sync_every` = k steps, and the producer runs at most
 `max_staleness - (k - 1)` chunks ahead of the trainer, so a chunk is at most `max_staleness`
 versions old when it is trained; a chunk found older than that anyway (a resumed run) is dropped
-and counted. `max_staleness = 0` is the synchronous baseline: generate, train, push, generate. Checkpoints (model, optimizer, RNG, step, the task-stream
-position) are written atomically every `checkpoint_every` steps; a restarted run continues from
-the last one.
+and counted. `max_staleness = 0` is the synchronous baseline: generate, train, push, generate.
+Checkpoints (model, optimizer, RNG, step, the task-stream position) are written atomically every
+`checkpoint_every` steps; a restarted run continues from the last one.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -64,6 +65,16 @@ class RLConfig(BaseModel):
         default=1, ge=0, description="policy versions a trained batch may lag; 0 is synchronous"
     )
     weight_sync_every: int = Field(default=1, ge=1, description="push weights every k steps")
+    rollout_workers: int = Field(
+        default=2,
+        ge=1,
+        description="producer threads (used when max_staleness lets more than one chunk run)",
+    )
+    device: str = Field(
+        default="auto",
+        description="where the trainer's model lives: cpu, cuda, cuda:1…; auto: "
+        "cuda when a GPU is visible",
+    )
     micro_batch_size: int = Field(default=32, ge=1)
     max_grad_norm: float = Field(default=1.0, gt=0)
     checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0: off")
@@ -78,6 +89,16 @@ class RLConfig(BaseModel):
                 f"{self.weight_sync_every - 1} versions old; raise max_staleness to at least that"
             )
         return self
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` is the first CUDA device when one is visible, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device is {name!r} but no CUDA GPU is visible")
+    return device
 
 
 @dataclass
@@ -130,23 +151,40 @@ class _VersionGate:
             self._condition.notify_all()
 
 
+class _ChunkCounter:
+    """Hands out chunk indices, in order, to the producer threads."""
+
+    def __init__(self, first: int) -> None:
+        self._next = first
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            index = self._next
+            self._next += 1
+            return index
+
+
 class RolloutProducer(threading.Thread):
-    """Plays chunk after chunk of training tasks and puts them in a bounded queue."""
+    """Plays chunk after chunk of training tasks and puts them in a bounded queue. Several
+    producers may share one counter and one backend: while one waits on tool calls, another
+    generates."""
 
     def __init__(
         self,
         engine: RolloutEngine,
         env: Environment,
         config: RLConfig,
-        first_chunk: int,
+        counter: _ChunkCounter,
         gate: _VersionGate,
         out: queue.Queue[Chunk | BaseException],
+        name: str = "rollout-producer",
     ) -> None:
-        super().__init__(name="rollout-producer", daemon=True)
+        super().__init__(name=name, daemon=True)
         self.engine = engine
         self.env = env
         self.config = config
-        self.next_chunk = first_chunk
+        self.counter = counter
         self.gate = gate
         self.out = out
         self.stopped = threading.Event()
@@ -157,7 +195,7 @@ class RolloutProducer(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stopped.is_set():
-                index = self.next_chunk
+                index = self.counter.take()
                 if not self.gate.wait_for(index):
                     return
                 seed = self.chunk_seed(index)
@@ -172,7 +210,6 @@ class RolloutProducer(threading.Thread):
                 )
                 seconds = time.perf_counter() - started
                 sampled = sum(episode.num_sampled_tokens for episode in episodes)
-                self.next_chunk += 1
                 self._put(Chunk(index, episodes, version, seconds, sampled))
         except BaseException as error:  # handed to the trainer, which raises it
             self._put(error)
@@ -210,6 +247,7 @@ class AsyncRLRun:
     ) -> None:
         if config.checkpoint_every and checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
+        model.to(resolve_device(config.device))
         self.model = model
         self.tokenizer = tokenizer
         self.env = env
@@ -272,26 +310,40 @@ class AsyncRLRun:
         # the producer may run ahead by what is left of the staleness budget.
         run_ahead = config.max_staleness - (config.weight_sync_every - 1)
         gate = _VersionGate(next_chunk, run_ahead)
-        chunks: queue.Queue[Chunk | BaseException] = queue.Queue(maxsize=config.max_staleness + 1)
-        engine = RolloutEngine(
-            self.backend,
-            self.env,
-            max_new_tokens=config.max_new_tokens,
-            context_policy=config.context_policy,
-        )
-        producer = RolloutProducer(engine, self.env, config, next_chunk, gate, chunks)
+        chunks: queue.Queue[Chunk | BaseException] = queue.Queue(maxsize=config.max_staleness + 2)
+        workers = max(1, min(config.rollout_workers, run_ahead + 1))
+        counter = _ChunkCounter(next_chunk)
+        producers = [
+            RolloutProducer(
+                RolloutEngine(
+                    self.backend,
+                    self.env,
+                    max_new_tokens=config.max_new_tokens,
+                    context_policy=config.context_policy,
+                ),
+                self.env,
+                config,
+                counter,
+                gate,
+                chunks,
+                name=f"rollout-producer-{worker}",
+            )
+            for worker in range(workers)
+        ]
         metrics_log = MetricsLogger(self.metrics_path) if self.metrics_path else None
         history: list[dict[str, float]] = []
         staleness = StalenessHistogram()
         waited = 0.0
         run_started = time.perf_counter()
         dropped_groups = 0
-        producer.start()
+        for producer in producers:
+            producer.start()
+        waiting_room: dict[int, Chunk] = {}
         try:
             step = start_step
             while step < config.steps and not self.stop_requested.is_set():
                 step_started = time.perf_counter()
-                chunk = self._next_chunk(chunks, producer)
+                chunk = self._next_chunk(chunks, producers, waiting_room, next_chunk)
                 waited_now = time.perf_counter() - step_started
                 waited += waited_now
                 next_chunk = chunk.index + 1
@@ -341,25 +393,33 @@ class AsyncRLRun:
                 ):
                     self._save(step, next_chunk, version)
         finally:
-            producer.stop()
-            producer.join(timeout=60)
+            for producer in producers:
+                producer.stop()
+            for producer in producers:
+                producer.join(timeout=60)
             if metrics_log is not None:
                 metrics_log.close()
         return history
 
     def _next_chunk(
-        self, chunks: queue.Queue[Chunk | BaseException], producer: RolloutProducer
+        self,
+        chunks: queue.Queue[Chunk | BaseException],
+        producers: list[RolloutProducer],
+        waiting_room: dict[int, Chunk],
+        index: int,
     ) -> Chunk:
-        while True:
+        """Chunk `index` (chunks from several producers can arrive out of order)."""
+        while index not in waiting_room:
             try:
                 item = chunks.get(timeout=0.5)
             except queue.Empty:
-                if not producer.is_alive():
-                    raise PipelineStopped("the rollout producer ended unexpectedly") from None
+                if not any(producer.is_alive() for producer in producers):
+                    raise PipelineStopped("the rollout producers ended unexpectedly") from None
                 continue
             if isinstance(item, BaseException):
-                raise PipelineStopped(f"the rollout producer failed: {item!r}") from item
-            return item
+                raise PipelineStopped(f"a rollout producer failed: {item!r}") from item
+            waiting_room[item.index] = item
+        return waiting_room.pop(index)
 
 
 def _forget_steps_from(path: Path, step: int) -> None:

@@ -261,15 +261,20 @@ def serve_model(
 @app.command()
 def demo(
     workdir: Annotated[Path, typer.Option(help="run folder")] = Path("runs/demo"),
-    nodes: Annotated[int, typer.Option(min=1, max=4, help="math nodes")] = 2,
-    steps: Annotated[int, typer.Option(min=1, help="RL steps per node")] = 6,
-    eval_tasks: Annotated[int, typer.Option(min=1, help="held-out tasks per evaluation")] = 64,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="a briefly warm-started base and 2 RL steps a round")
+    ] = False,
+    steps: Annotated[int | None, typer.Option(min=1, help="RL steps per node per round")] = None,
+    eval_tasks: Annotated[
+        int | None, typer.Option(min=1, help="held-out tasks per domain per evaluation")
+    ] = None,
 ) -> None:
-    """Coordinator + nodes as processes on 127.0.0.1, one round, CPU only."""
+    """Coordinator + three nodes (math, code, search) on 127.0.0.1, two rounds, CPU only;
+    writes an HTML report with the score tables and reward curves into the run folder."""
     from skillswarm.demo import DemoError, run_demo
 
     try:
-        run_demo(workdir, n_nodes=nodes, steps=steps, eval_tasks=eval_tasks, console=console)
+        run_demo(workdir, quick=quick, steps=steps, eval_tasks=eval_tasks, console=console)
     except DemoError as exc:
         _fail(exc)
 

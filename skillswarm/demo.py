@@ -1,7 +1,9 @@
-"""`skillswarm demo`: a coordinator and training nodes as separate processes on 127.0.0.1.
+"""`skillswarm demo`: a coordinator and three training nodes (math, code, search) as separate
+processes on 127.0.0.1, for two rounds.
 
 Builds the embedded base model, starts the coordinator and the nodes, shows their progress, pulls
-the merged checkpoint like any user would, checks it generates, and prints the round's table.
+the merged checkpoint like any user would, plays a held-out episode with it, prints each round's
+score table and writes a report (HTML, reward curves as PNG) into the run folder.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
+from coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
 from merge.methods import MergeSpec
-from node.config import NodeConfig, TrainConfig
+from node.config import NodeConfig
+from node.pipeline import RLConfig
 from protocol.tomlconfig import write_toml_config
 
 STEP_LINE = re.compile(r"round=(\d+) step=(\d+)/(\d+) reward=([\d.na]+)")
@@ -97,34 +100,71 @@ def wait_http(url: str, proc: Process, timeout: float) -> None:
     raise DemoError(f"{proc.name} did not answer on {url} within {timeout:.0f}s; see {proc.log}")
 
 
+DOMAINS: tuple[str, ...] = ("math", "code", "search")
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """How big a demo run is: the base's warm start, RL steps per round, evaluation size."""
+
+    warm_start_steps: int | None
+    tokenizer_corpus_tasks: int | None
+    steps: int
+    tasks_per_step: int
+    samples_per_task: int
+    eval_tasks: int
+    rounds: int
+    candidates: tuple[MergeSpec, ...]
+
+
+def demo_settings(quick: bool, steps: int | None, eval_tasks: int | None) -> DemoSettings:
+    """The full demo, or `--quick`: a briefly warm-started base and a couple of RL steps, so
+    the whole swarm runs its two rounds in a few minutes."""
+    candidates = (
+        MergeSpec(method="ties", parameters={"weight": 1.0, "density": 0.5}),
+        MergeSpec(method="linear", parameters={"weight": 1.0}),
+    )
+    if quick:
+        return DemoSettings(40, 200, steps or 2, 4, 4, eval_tasks or 6, 2, candidates)
+    return DemoSettings(None, None, steps or 10, 8, 4, eval_tasks or 32, 2, candidates)
+
+
 def write_configs(
     workdir: Path,
     base: Path,
     n_nodes: int,
-    train: TrainConfig,
+    train: RLConfig,
     eval_tasks: int,
     merge: MergeSpec | None = None,
+    *,
+    domains: tuple[str, ...] = ("math",),
+    rounds: int = 1,
+    candidates: tuple[MergeSpec, ...] = (),
 ) -> tuple[Path, list[Path], str]:
-    """Coordinator and node TOML files for a loopback swarm; returns them and the HTTP URL."""
+    """Coordinator and node TOML files for a loopback swarm; returns them and the HTTP URL.
+    Node i trains `domains[i % len(domains)]`; a round merges once every domain and at least
+    `n_nodes` deltas are in."""
     http_port = free_port()
     url = f"http://127.0.0.1:{http_port}"
+    spec = merge or MergeSpec()
     coordinator = CoordinatorConfig(
         work_dir=workdir / "coordinator",
         http_port=http_port,
         p2p_port=free_port(),
         base_checkpoint=base,
-        round=RoundPolicy(min_deltas=n_nodes),
-        merge=merge or MergeSpec(),
-        eval=EvalConfig(domains=["math"], n_tasks=eval_tasks),
+        round=RoundPolicy(min_deltas=n_nodes, required_domains=sorted(set(domains))),
+        merge=MergePlan(**spec.model_dump(), candidates=list(candidates)),
+        eval=EvalConfig(domains=list(dict.fromkeys(domains)), n_tasks=eval_tasks),
     )
     coordinator_toml = write_toml_config(coordinator, workdir / "coordinator.toml")
     node_tomls = []
     for i in range(n_nodes):
         node = NodeConfig(
             work_dir=workdir / f"node-{i}",
-            domain="math",
+            domain=domains[i % len(domains)],
             coordinator_url=url,
             seed=i + 1,
+            rounds=rounds,
             train=train,
         )
         node_tomls.append(write_toml_config(node, workdir / f"node-{i}.toml"))
@@ -134,35 +174,54 @@ def write_configs(
 def run_demo(
     workdir: Path,
     *,
-    n_nodes: int = 2,
-    steps: int = 6,
-    eval_tasks: int = 64,
+    quick: bool = False,
+    steps: int | None = None,
+    eval_tasks: int | None = None,
     console: Console | None = None,
-    timeout: float = 1800.0,
-) -> dict:
-    """Run one round of a loopback swarm; returns the round's record from the coordinator."""
+    timeout: float = 3600.0,
+) -> list[dict]:
+    """Run a loopback swarm of three nodes (math, code, search) for two rounds and write the
+    report; returns the rounds' records from the coordinator."""
     console = console or Console(stderr=True)
+    settings = demo_settings(quick, steps, eval_tasks)
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    base = workdir / "base"
+    base = workdir / ("base-quick" if quick else "base")
     if not (base / "config.json").exists():
         from node.model import create_base_checkpoint
 
+        options: dict = {"domains": DOMAINS}
+        if settings.warm_start_steps is not None:
+            options["warm_start_steps"] = settings.warm_start_steps
+        if settings.tokenizer_corpus_tasks is not None:
+            options["tokenizer_corpus_tasks"] = settings.tokenizer_corpus_tasks
         with console.status("building the embedded base model (tokenizer, tiny Qwen2, warm start)"):
-            create_base_checkpoint(base)
+            create_base_checkpoint(base, **options)
     console.print(f"base checkpoint: {base}")
     for stale in [
         workdir / "coordinator",
         workdir / "pulled",
         workdir / "logs",
+        workdir / "report",
         *workdir.glob("node-*"),
     ]:
         if stale.is_dir():  # a fresh swarm every run; only the base is reused
             shutil.rmtree(stale)
-    # Nodes of one domain pull the same way: their task vectors are averaged, not stacked.
-    merge = MergeSpec(method="task_arithmetic", parameters={"weight": 1.0 / n_nodes})
+    train = RLConfig(
+        steps=settings.steps,
+        tasks_per_step=settings.tasks_per_step,
+        samples_per_task=settings.samples_per_task,
+    )
     coordinator_toml, node_tomls, url = write_configs(
-        workdir, base, n_nodes, TrainConfig(steps=steps), eval_tasks, merge
+        workdir,
+        base,
+        len(DOMAINS),
+        train,
+        settings.eval_tasks,
+        MergeSpec(method="task_arithmetic", parameters={"weight": 1.0}),
+        domains=DOMAINS,
+        rounds=settings.rounds,
+        candidates=settings.candidates,
     )
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
@@ -174,48 +233,67 @@ def run_demo(
             logs / "coordinator.log",
         )
         processes.append(coordinator)
-        wait_http(url, coordinator, timeout=180)
+        wait_http(url, coordinator, timeout=300)
         coordinator.status = "serving"
         for i, toml in enumerate(node_tomls):
             processes.append(
                 spawn(
-                    f"node-{i} (math)",
+                    f"node-{i} ({DOMAINS[i]})",
                     ["node", "run", "--config", str(toml)],
                     logs / f"node-{i}.log",
                 )
             )
-        record = _follow_round(url, processes, console, timeout)
+        records = _follow_rounds(url, processes, console, settings.rounds, timeout)
         pulled = _pull_and_generate(url, workdir / "pulled", console)
-        _wait_nodes_done(processes[1:], timeout=30)
+        _wait_nodes_done(processes[1:], timeout=60)
     finally:
         stop_all(processes)
-    _print_summary(console, record, pulled, workdir)
-    return record
+    from skillswarm.report import write_report
+
+    report = write_report(
+        workdir / "report",
+        records,
+        {f"node-{i}-{domain}": workdir / f"node-{i}" for i, domain in enumerate(DOMAINS)},
+        {
+            "pulled checkpoint": pulled,
+            "registry": workdir / "coordinator" / "registry",
+            "coordinator database": workdir / "coordinator" / "coordinator.db",
+            "logs": logs,
+            "base": base,
+        },
+        title="skillswarm demo" + (" (quick)" if quick else ""),
+    )
+    _print_summary(console, records, pulled, workdir, report)
+    return records
 
 
-def _follow_round(url: str, processes: list[Process], console: Console, timeout: float) -> dict:
+def _follow_rounds(
+    url: str, processes: list[Process], console: Console, rounds: int, timeout: float
+) -> list[dict]:
+    """Show live progress until round `rounds` is published; return the published rounds."""
     deadline = time.monotonic() + timeout
-    with Live(_progress_table(processes, None), console=console, refresh_per_second=2) as live:
+    with Live(_progress_table(processes, []), console=console, refresh_per_second=2) as live:
         while time.monotonic() < deadline:
             for p in processes[1:]:
                 matches = STEP_LINE.findall(p.tail())
                 if matches:
-                    _, step, total, reward = matches[-1]
-                    p.status = f"training step {step}/{total}, reward {reward}"
-                if "delta " in p.tail() and " is accepted" in p.tail():
-                    p.status = "delta accepted, waiting for the merge"
+                    number, step, total, reward = matches[-1]
+                    p.status = f"round {number}: training step {step}/{total}, reward {reward}"
                 if p.popen.poll() is not None:
                     p.status = f"exited ({p.popen.returncode})"
             try:
-                rounds = httpx.get(f"{url}/v1/rounds", timeout=5).json()
+                records = httpx.get(f"{url}/v1/rounds", timeout=5).json()
             except httpx.HTTPError:
-                rounds = []
-            first = rounds[0] if rounds else None
-            live.update(_progress_table(processes, first))
-            if first and first["status"] == "published":
-                return first
-            if first and first["status"] == "failed":
-                raise DemoError(f"round 1 failed: {first['error']}")
+                records = []
+            live.update(_progress_table(processes, records))
+            failed = [r for r in records if r["status"] == "failed"]
+            if failed:
+                raise DemoError(f"round {failed[0]['number']} failed: {failed[0]['error']}")
+            published = sorted(
+                (r for r in records if r["status"] == "published"), key=lambda r: r["number"]
+            )
+            if len(published) >= rounds:
+                return published
             if processes[0].popen.poll() is not None:
                 raise DemoError(f"the coordinator exited; see {processes[0].log}")
             crashed = [p for p in processes[1:] if p.popen.poll() not in (None, 0)]
@@ -224,17 +302,19 @@ def _follow_round(url: str, processes: list[Process], console: Console, timeout:
                     f"{crashed[0].name} failed; see {crashed[0].log}:\n{crashed[0].tail()[-1500:]}"
                 )
             time.sleep(0.5)
-    raise DemoError(f"round 1 did not finish within {timeout:.0f}s")
+    raise DemoError(f"{rounds} rounds did not finish within {timeout:.0f}s")
 
 
-def _progress_table(processes: list[Process], round_record: dict | None) -> Table:
-    table = Table(title="skillswarm demo: round 1")
+def _progress_table(processes: list[Process], rounds: list[dict]) -> Table:
+    table = Table(title="skillswarm demo: three nodes, two rounds")
     table.add_column("process")
     table.add_column("status")
     for p in processes:
         table.add_row(p.name, p.status)
-    if round_record:
-        table.add_row("round 1", f"{round_record['status']}, {len(round_record['inputs'])} inputs")
+    for record in sorted(rounds, key=lambda r: r["number"]):
+        table.add_row(
+            f"round {record['number']}", f"{record['status']}, {len(record['inputs'])} deltas"
+        )
     return table
 
 
@@ -271,23 +351,22 @@ def _wait_nodes_done(processes: list[Process], timeout: float) -> None:
             return
 
 
-def _print_summary(console: Console, record: dict, pulled: Path, workdir: Path) -> None:
-    table = Table(title="round 1 result")
-    table.add_column("")
-    table.add_column("value")
-    table.add_row("checkpoint id", record["checkpoint_id"][:16] + "…")
-    table.add_row("merge method", record["method"].get("method", "?"))
-    table.add_row("deltas merged", str(len(record["inputs"])))
-    for domain, base_row in record["evaluation"].get("base", {}).items():
-        merged_row = record["evaluation"].get("merged", {}).get(domain, {})
-        table.add_row(
-            f"{domain} held-out reward (base → merged)",
-            f"{base_row['mean_reward']:.3f} → {merged_row.get('mean_reward', float('nan')):.3f}"
-            f"  (n={base_row['n']})",
-        )
-    table.add_row("pulled checkpoint", str(pulled))
-    table.add_row("registry", str(workdir / "coordinator" / "registry"))
-    table.add_row("logs", str(workdir / "logs"))
+def _print_summary(
+    console: Console, records: list[dict], pulled: Path, workdir: Path, report: Path
+) -> None:
+    from skillswarm.report import score_rows
+
     out = Console()
-    out.print(table)
-    out.print(f"checkpoint id: {record['checkpoint_id']}")
+    for record in records:
+        domains, rows = score_rows(record)
+        table = Table(title=f"round {record['number']}: held-out success")
+        table.add_column("model")
+        for domain in domains:
+            table.add_column(domain, justify="right")
+        for label, cells in rows:
+            table.add_row(label, *cells)
+        out.print(table)
+    out.print(f"latest checkpoint: {records[-1]['checkpoint_id']}")
+    out.print(f"pulled to: {pulled}")
+    out.print(f"report: {report}")
+    out.print(f"logs: {workdir / 'logs'}")

@@ -200,13 +200,15 @@ def test_tampered_file_content_is_detected_and_not_kept(
 def test_a_tampered_manifest_does_not_hash_to_the_revision(
     registry_pull_server: tuple[ServedApp, Registry, list[CheckpointInfo]], tmp_path: Path
 ) -> None:
-    served, registry, (_, second) = registry_pull_server
-    path = registry.manifest_path(second)
-    manifest = CheckpointManifest.decode(path.read_bytes())
-    path.write_bytes(manifest.model_copy(update={"method": "ties"}).encode())
-
-    with pytest.raises(PullVerificationError, match=second.revision):
-        pull(served.url, second.revision, tmp_path / "out", progress=False)
+    """A server that answers a revision with a manifest that is not the one the revision names
+    (our registry serves only the manifest it verified, so a hostile server stands in)."""
+    _, registry, (_, second) = registry_pull_server
+    manifest = CheckpointManifest.decode(registry.manifest_path(second).read_bytes())
+    tampered = manifest.model_copy(update={"method": "ties"}).encode()
+    tree = [{"type": "file", "path": f.path, "size": f.size, "oid": f.sha256} for f in second.files]
+    with serve_app(_hostile_app(tampered, tree, second.revision)) as hostile:
+        with pytest.raises(PullVerificationError, match=second.revision):
+            pull(hostile.url, second.revision, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
 

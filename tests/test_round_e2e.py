@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from merge.streaming import iter_base_tensors
-from node.config import TrainConfig
+from node.pipeline import RLConfig
 from protocol.blobstore import BlobStore
 from protocol.delta import DeltaReader
 from protocol.messages import decode_message
@@ -52,7 +52,7 @@ def _mergekit_task_arithmetic(base_dir: Path, experts: list[dict], work: Path) -
 
 
 def test_one_round_two_nodes_end_to_end(tmp_path: Path, tiny_base: Path) -> None:
-    train = TrainConfig(steps=2, tasks_per_step=4, samples_per_task=4)
+    train = RLConfig(steps=2, tasks_per_step=4, samples_per_task=4)
     coordinator_toml, node_tomls, url = write_configs(tmp_path, tiny_base, 2, train, eval_tasks=4)
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -82,7 +82,8 @@ def test_one_round_two_nodes_end_to_end(tmp_path: Path, tiny_base: Path) -> None
         assert round_one is not None, "round 1 did not finish:\n" + processes[1].tail()
         assert round_one["status"] == "published", round_one["error"]
         assert len(round_one["inputs"]) == 2
-        assert set(round_one["evaluation"]) == {"base", "merged"}
+        experts = {f"expert:math:{delta_id[:12]}" for delta_id in round_one["inputs"]}
+        assert set(round_one["evaluation"]) == {"base", "merged"} | experts
 
         checkpoints = httpx.get(f"{url}/v1/checkpoints", timeout=5).json()
         assert [c["round"] for c in checkpoints] == [0, 1]

@@ -531,6 +531,14 @@ class CodeEnvironment(Environment):
                 "(its task file line has no canonical_solution)"
             )
         call = {"name": run_tests.__name__, "arguments": {"code": code}}
+        if "family" in task.metadata:
+            # A generated task's reference passes every visible test by construction (the tests
+            # replay demonstrations through the sandbox to hold this), so demonstrations for the
+            # warm start skip a sandbox run each.
+            total = len(task.metadata["visible_tests"])
+            report = format_test_report(TestRunReport(total, total, None, None))
+        else:
+            report = self.run_visible_tests(task, code)
         return [
             *self.initial_messages(task),
             {
@@ -541,7 +549,7 @@ class CodeEnvironment(Environment):
             {
                 "role": "tool",
                 "name": run_tests.__name__,
-                "content": self.run_visible_tests(task, code),
+                "content": report,
             },
             {"role": "assistant", "content": f"<answer>{code}</answer>"},
         ]
