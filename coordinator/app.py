@@ -85,7 +85,7 @@ def v1_router() -> APIRouter:
         base = c.current_base()
         return InfoOut(
             peer_id=c.host.peer_id,
-            multiaddrs=c.host.listen_addrs,
+            multiaddrs=c.advertised_addrs(),
             topic=c.config.topic,
             repo_id=c.config.repo_id,
             round=c.current_round().number,

@@ -134,6 +134,11 @@ class CoordinatorConfig(BaseModel):
     )
     p2p_host: str = "127.0.0.1"
     p2p_port: int = 4001
+    p2p_announce_addrs: list[str] = Field(
+        default_factory=list,
+        description="multiaddrs nodes dial, e.g. /ip4/203.0.113.10/tcp/4001 (behind NAT or when "
+        "listening on 0.0.0.0); default: the listen addresses",
+    )
     identity_file: Path | None = Field(default=None, description="default: work_dir/identity.key")
     swarm: str = "default"
     repo_id: str = "skillswarm/agent"
@@ -167,6 +172,23 @@ class CoordinatorConfig(BaseModel):
         if isinstance(value, MergeSpec) and not isinstance(value, MergePlan):
             return value.model_dump()
         return value
+
+    @field_validator("p2p_announce_addrs")
+    @classmethod
+    def _dialable_multiaddrs(cls, addrs: list[str]) -> list[str]:
+        for addr in addrs:
+            parts = addr.split("/")
+            if (
+                len(parts) < 5
+                or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6")
+                or parts[3] != "tcp"
+                or not parts[4].isdigit()
+            ):
+                raise ValueError(
+                    f"p2p_announce_addrs entry {addr!r} is not a TCP multiaddr such as "
+                    "/ip4/203.0.113.10/tcp/4001 or /dns4/coordinator.example.org/tcp/4001"
+                )
+        return addrs
 
     @property
     def topic(self) -> str:

@@ -136,6 +136,18 @@ class Coordinator:
             assert row is not None, "a round is opened at start"
             return row
 
+    def advertised_addrs(self) -> list[str]:
+        """The libp2p multiaddrs nodes should dial: `p2p_announce_addrs` with this peer's id
+        appended, or, without them, the addresses the host listens on (a host listening on
+        0.0.0.0 is advertised by its interface addresses only when configured)."""
+        if not self.config.p2p_announce_addrs:
+            return self.host.listen_addrs
+        peer = self.host.peer_id
+        return [
+            addr if "/p2p/" in addr else f"{addr.rstrip('/')}/p2p/{peer}"
+            for addr in self.config.p2p_announce_addrs
+        ]
+
     def current_base(self) -> CheckpointInfo:
         return self.registry.get("main")
 

@@ -519,3 +519,23 @@ def test_served_app_answers_operator_nodes_and_metrics_over_a_socket(
         text = http.get("/metrics").text
         names = {family.name for family in text_string_to_metric_families(text)}
         assert {"skillswarm_rounds_completed", "skillswarm_http_requests"} <= names
+
+
+def test_info_advertises_the_configured_public_multiaddrs(tmp_path: Path, operator_base: Path):
+    config = _config(tmp_path, operator_base).model_copy(
+        update={
+            "p2p_announce_addrs": ["/ip4/203.0.113.10/tcp/4001", "/dns4/coord.example/tcp/4001"]
+        }
+    )
+    c = Coordinator(config)
+    c.prepare()
+    try:
+        info = TestClient(create_app(c)).get("/v1/info").json()
+    finally:
+        c.store.close()
+    assert info["multiaddrs"] == [
+        f"/ip4/203.0.113.10/tcp/4001/p2p/{c.host.peer_id}",
+        f"/dns4/coord.example/tcp/4001/p2p/{c.host.peer_id}",
+    ]
+    with pytest.raises(ValueError, match="not a TCP multiaddr"):
+        CoordinatorConfig(p2p_announce_addrs=["/ip4/0.0.0.0/udp/4001"])
