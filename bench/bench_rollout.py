@@ -23,8 +23,9 @@ def main() -> None:
     parser.add_argument("--base", type=Path, help="a model folder (default: build the base)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2, help="repeat both modes, keep the best")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both modes")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
 
     from node.envs import get_environment
     from node.inference import HFBackend
@@ -56,7 +57,7 @@ def main() -> None:
             result = run()
             if name not in best or result[0] < best[name][0]:
                 best[name] = result
-    print(f"{args.episodes} {args.domain} episodes, torch threads = 1")
+    print(f"{args.episodes} {args.domain} episodes, torch threads = {args.threads}")
     print(f"{'mode':>14} {'seconds':>8} {'episodes/s':>11} {'turns':>6} {'reward':>7}")
     for name, (seconds, turns, reward) in best.items():
         print(f"{name:>14} {seconds:8.2f} {args.episodes / seconds:11.2f} {turns:6d} {reward:7.3f}")
