@@ -62,6 +62,10 @@ from protocol.messages import (
 
 __all__ = ["Coordinator", "DeltaRejected", "expert_label", "record_id"]
 
+# Attempts at fetching each blob of an announced delta before it is recorded as a failed fetch
+# (which a later announcement of the same delta retries).
+FETCH_ATTEMPTS = 3
+
 log = logging.getLogger(__name__)
 
 MERGE_PLAN_SETTING = "merge_plan"
@@ -288,6 +292,20 @@ class Coordinator:
         with self._intake_lock:
             with self.store.session() as s:
                 existing = s.get(DeltaRecord, delta_id)
+                if (
+                    existing is not None
+                    and existing.status == "rejected"
+                    and existing.rejection_kind == "fetch"
+                ):
+                    # Its blobs could not be fetched last time (the node was unreachable, the
+                    # link dropped): the announcement is taken again, resuming any partial blob.
+                    log.info(
+                        "retrying delta %s, whose earlier fetch failed: %s",
+                        delta_id[:12],
+                        existing.reason,
+                    )
+                    s.delete(existing)
+                    existing = None
                 if existing is not None:
                     log.info(
                         "ignored repeated announcement of delta %s (%s in round %s)",
@@ -415,7 +433,9 @@ class Coordinator:
         base = self._tensors_of(manifest.base_id)
         check_layout(manifest, base.meta)
         for sha, size in manifest.blobs.items():
-            self.host.fetch_blob(from_peer, sha, size)
+            # Retried with backoff, resuming from the partial download; the announcing node is
+            # the holder (the manifest's signer, checked by verify()).
+            self.host.fetch_blob_from_any([from_peer], sha, size, attempts_per_peer=FETCH_ATTEMPTS)
         reader = DeltaReader(manifest, self.blobs)
         checks: dict[str, Any] = dict(check_values(reader, base, self.config.gates).to_dict())
         if self.config.gates.eval_gate:

@@ -397,13 +397,24 @@ class NodeDaemon:
         except Exception as exc:
             log.warning("gossip mesh not formed yet (%s); announcing anyway", exc)
         next_announce = 0.0
+        last_fetch_failure: str | None = None
         while time.monotonic() < deadline and not self._stop.is_set():
             if time.monotonic() >= next_announce:
                 self.host.publish(message)
                 log.info("announced delta %s", signed.manifest_id[:12])
                 next_announce = time.monotonic() + 10.0
             record = self.client.delta(signed.manifest_id)
-            if record is not None:
+            if record is not None and record.get("rejection_kind") == "fetch":
+                # The coordinator could not download the blobs (a dropped link, say): it takes
+                # the next announcement again, so keep announcing and serving.
+                if record.get("reason") != last_fetch_failure:
+                    last_fetch_failure = record.get("reason")
+                    log.warning(
+                        "coordinator could not fetch delta %s (%s); announcing again",
+                        signed.manifest_id[:12],
+                        last_fetch_failure,
+                    )
+            elif record is not None:
                 log.info("delta %s is %s", signed.manifest_id[:12], record["status"])
                 return record
             self._stop.wait(1.0)

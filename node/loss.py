@@ -109,29 +109,23 @@ def group_advantages(
     return advantages
 
 
-def turn_returns(
-    final_reward: float,
-    turn_rewards: Sequence[float],
-    discount: float,
-    turn_reward_weight: float,
-) -> list[float]:
-    """The return G_k of each assistant turn k = 0..T-1 (T = len(turn_rewards), R the final
-    reward, r_j turn j's reward, γ the discount, w the turn-reward weight):
+def turn_credit(turn_rewards: Sequence[float], discount: float) -> list[float]:
+    """The turn-reward-to-go C_k of each assistant turn k = 0..T-1 (T = len(turn_rewards), r_j
+    turn j's reward, γ the discount):
 
-        G_k = Σ_{j=k}^{T-1} γ^(j-k) · w · r_j  +  γ^(T-1-k) · R
+        C_k = Σ_{j=k}^{T-1} γ^(j-k) · r_j,   i.e. C_{T-1} = r_{T-1} and C_k = r_k + γ·C_{k+1}.
 
-    i.e. G_{T-1} = w·r_{T-1} + R and G_k = w·r_k + γ·G_{k+1}. A turn is credited with its own
-    reward and everything after it, never with rewards earned before it."""
+    A turn is credited with its own reward and the discounted rewards after it, never with
+    rewards earned before it. The final reward is not in it (see `turn_advantages`)."""
     if not 0 < discount <= 1:
         raise ValueError(f"discount must be in (0, 1], got {discount}")
-    _check_finite("final_reward", [final_reward])
     _check_finite("turn_rewards", turn_rewards)
-    returns = [0.0] * len(turn_rewards)
-    following = final_reward  # γ·G_{k+1} for k < T-1; R itself for the last turn
+    credit = [0.0] * len(turn_rewards)
+    following = 0.0
     for turn in reversed(range(len(turn_rewards))):
-        returns[turn] = turn_reward_weight * turn_rewards[turn] + following
-        following = discount * returns[turn]
-    return returns
+        credit[turn] = turn_rewards[turn] + discount * following
+        following = credit[turn]
+    return credit
 
 
 def _spread_over_tokens(
@@ -154,25 +148,6 @@ def _spread_over_tokens(
     return values
 
 
-def token_returns(
-    final_reward: float,
-    turn_rewards: Sequence[float],
-    token_turn_index: Sequence[int],
-    loss_mask: Sequence[int],
-    discount: float,
-    turn_reward_weight: float,
-) -> list[float]:
-    """Per-token return credited to the turn that wrote the token. A loss token of turn k gets
-
-        G_k = Σ_{j=k}^{T-1} γ^(j-k) · w · r_j  +  γ^(T-1-k) · R
-
-    with T = len(turn_rewards) (so the last turn is T-1), r_j = turn_rewards[j], w =
-    `turn_reward_weight`, γ = `discount`, R = `final_reward`. Context tokens (loss_mask 0: the
-    prompt, tool results) get 0. A loss token whose turn is outside 0..T-1 is an error."""
-    per_turn = turn_returns(final_reward, turn_rewards, discount, turn_reward_weight)
-    return _spread_over_tokens(per_turn, token_turn_index, loss_mask)
-
-
 def turn_advantages(
     final_rewards: Sequence[float],
     turn_rewards: Sequence[Sequence[float]],
@@ -183,36 +158,42 @@ def turn_advantages(
     turn_reward_weight: float,
     epsilon: float = 1e-6,
 ) -> list[list[float]]:
-    """Per episode, the advantage of each of its turns: A_{i,k} = (G_{i,k} - b_g) / s_g.
+    """Per episode, the advantage of each of its turns: an outcome part shared by all its turns
+    plus a turn-credit part of its own,
 
-    G_{i,k} is episode i's return from turn k (`turn_returns`). The baseline b_g is the mean of
-    the episode-level return G_{i,0} over i's group g (its return from the first turn, or R_i when
-    it has no turn), and s_g = std_g(G_{·,0}) + ε with `normalize_std`, else 1. This is
-    reward-to-go REINFORCE with a per-group constant baseline: the baseline does not depend on
-    the turn's action, and it compares like with like (whole episodes from their start). With
-    γ = 1 and no turn rewards every turn gets the plain GRPO advantage. Groups whose G_{·,0} have
-    std below ε get 0 on every turn: nothing in them says which episode did better.
+        A_{i,k} = A_i  +  w · (C_{i,k} - b_{g,k}).
+
+    A_i is episode i's GRPO advantage on its final reward (`group_advantages`: centred on its
+    group g's mean, divided by the group's std with `normalize_std`, 0 when the group's final
+    rewards are all equal). C_{i,k} is turn k's turn-reward-to-go (`turn_credit`, discount γ) and
+    b_{g,k} the mean of C_{·,k} over the group's episodes (0 for an episode without a turn k):
+    a baseline per turn position, so a late turn is compared with late turns, and a turn that
+    earned more credit than its peers is pushed up whatever the outcome. w is the turn-reward
+    weight. The two parts are normalised apart: turn credit is never divided by the outcome's
+    std, so a group whose final answers are all right (A_i = 0) but whose turns earned slightly
+    different credit gets small advantages, not ±1. With no turn rewards every turn gets A_i.
     """
     if len(final_rewards) != len(turn_rewards):
         raise ValueError(f"{len(final_rewards)} final rewards but {len(turn_rewards)} turn lists")
-    returns = [
-        turn_returns(reward, rewards, discount, turn_reward_weight)
-        for reward, rewards in zip(final_rewards, turn_rewards, strict=True)
+    outcome = group_advantages(final_rewards, group_ids, normalize_std, epsilon)
+    credits = [turn_credit(rewards, discount) for rewards in turn_rewards]
+    members: dict[Hashable, list[int]] = defaultdict(list)
+    for position, group in enumerate(group_ids):
+        members[group].append(position)
+    baselines: dict[Hashable, list[float]] = {}
+    for group, positions in members.items():
+        longest = max(len(credits[i]) for i in positions)
+        baselines[group] = [
+            math.fsum(credits[i][k] for i in positions if k < len(credits[i])) / len(positions)
+            for k in range(longest)
+        ]
+    return [
+        [
+            advantage + turn_reward_weight * (value - baselines[group][k])
+            for k, value in enumerate(credit)
+        ]
+        for advantage, credit, group in zip(outcome, credits, group_ids, strict=True)
     ]
-    episode_returns = [
-        per_turn[0] if per_turn else reward
-        for per_turn, reward in zip(returns, final_rewards, strict=True)
-    ]
-    statistics = _group_statistics(episode_returns, group_ids, epsilon)
-    advantages: list[list[float]] = []
-    for per_turn, stats in zip(returns, statistics, strict=True):
-        if stats is None:
-            advantages.append([0.0] * len(per_turn))
-            continue
-        baseline, std = stats
-        scale = std + epsilon if normalize_std else 1.0
-        advantages.append([(value - baseline) / scale for value in per_turn])
-    return advantages
 
 
 def token_advantages(

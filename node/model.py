@@ -6,6 +6,7 @@ start on environment demonstrations. Also loads any Hugging Face causal-LM folde
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -49,6 +50,10 @@ DEFAULT_INITIALIZER_RANGE = 0.08
 # Demonstrations the tokenizer is trained on, per domain.
 TOKENIZER_CORPUS_TASKS = 2000
 DEFAULT_WARM_START_STEPS = 220
+# The warm start `skillswarm bootstrap` and the demo give a base on all three domains: enough for
+# the model to start copying numbers into calculator calls (math a few percent, where RL takes
+# over), well short of code's saturation, and no search success yet (see the README).
+MULTI_DOMAIN_WARM_START_STEPS = 350
 DEFAULT_WARM_START_BATCH_SIZE = 16
 DEFAULT_WARM_START_LR = 1.5e-3
 
@@ -129,6 +134,12 @@ def set_torch_threads(num_threads: int) -> None:
     if num_threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {num_threads}")
     torch.set_num_threads(num_threads)
+
+
+def build_threads() -> int:
+    """Torch threads for building a base when nothing else runs: the machine's cores, up to 4
+    (the tiny model gains little beyond that)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def _strip_added_tokens(corpus: Iterable[str]) -> Iterable[str]:

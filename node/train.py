@@ -148,21 +148,31 @@ def supervised_warm_start(
     model.train()
     try:
         for _ in range(steps):
-            records: list[ConversationTokens] = []
+            by_env: dict[int, list[ConversationTokens]] = {}
             for slot in range(batch_size):
                 env = envs[slot % len(envs)]
                 (task,) = env.tasks("train", 1, seed=rng.randrange(2**62))
-                records.append(tokenize_demonstration(tokenizer, env.solve(task), schemas[id(env)]))
-            sequences = [record.token_ids for record in records]
-            masks = [record.loss_mask for record in records]
-            input_ids, attention_mask, (loss_mask,) = _right_padded(
-                sequences, tokenizer.pad_token_id, masks
-            )
-            prefix = shared_prefix_length(sequences, masks)
-            logprobs = token_logprobs(model, input_ids, attention_mask, shared_prefix=prefix)
-            loss = -(logprobs * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+                by_env.setdefault(slot % len(envs), []).append(
+                    tokenize_demonstration(tokenizer, env.solve(task), schemas[id(env)])
+                )
+            # One forward/backward per environment: its demonstrations share the system prompt
+            # (computed once) and pad only to each other. The gradients add up to those of the
+            # token mean over the whole batch.
+            total_tokens = sum(sum(r.loss_mask) for rs in by_env.values() for r in rs)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss_sum = 0.0
+            for records in by_env.values():
+                sequences = [record.token_ids for record in records]
+                masks = [record.loss_mask for record in records]
+                input_ids, attention_mask, (loss_mask,) = _right_padded(
+                    sequences, tokenizer.pad_token_id, masks
+                )
+                prefix = shared_prefix_length(sequences, masks)
+                logprobs = token_logprobs(model, input_ids, attention_mask, shared_prefix=prefix)
+                part = -(logprobs * loss_mask).sum() / max(1, total_tokens)
+                part.backward()
+                loss_sum += part.item()
+            loss = torch.tensor(loss_sum)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
             schedule.step()

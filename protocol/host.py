@@ -899,6 +899,9 @@ class SwarmHost:
                 now = trio.current_time()
                 if connected_since is None:
                     connected_since = now
+                    if was_connected:
+                        # The peer came back by dialling us before our redial got through.
+                        logger.info("reconnected to %s (it dialled this host)", peer)
                 elif now - connected_since >= RECONNECT_STABLE_AFTER_S:
                     unstable_dials = 0
                 was_connected = True

@@ -159,20 +159,34 @@ def env_try(
 @app.command()
 def bootstrap(
     out: Annotated[Path, typer.Argument(help="folder for the base model")] = Path("runs/base"),
-    steps: Annotated[int, typer.Option(min=0, help="supervised warm-start steps")] = 220,
+    steps: Annotated[
+        int | None,
+        typer.Option(min=0, help="supervised warm-start steps [default: 350, the recommended]"),
+    ] = None,
     domains: Annotated[str, typer.Option(help="comma-separated domains")] = "math,code,search",
     seed: int = 0,
     eval_tasks: Annotated[int, typer.Option(min=0, help="held-out tasks per domain; 0: skip")] = 64,
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="torch threads (default: the cores, up to 4)")
+    ] = None,
 ) -> None:
     """Build the embedded base: tiny model and tokenizer, warm-started on solver demonstrations."""
     from node.envs import UnknownEnvironmentError
     from node.evaluate import evaluate_checkpoint
-    from node.model import create_base_checkpoint
+    from node.model import MULTI_DOMAIN_WARM_START_STEPS, build_threads, create_base_checkpoint
 
     chosen = [domain.strip() for domain in domains.split(",") if domain.strip()]
+    if steps is None:
+        steps = MULTI_DOMAIN_WARM_START_STEPS
     try:
         console.print(f"building the base on {', '.join(chosen)} ({steps} warm-start steps)…")
-        path = create_base_checkpoint(out, seed=seed, warm_start_steps=steps, domains=chosen)
+        path = create_base_checkpoint(
+            out,
+            seed=seed,
+            warm_start_steps=steps,
+            domains=chosen,
+            num_threads=threads or build_threads(),
+        )
     except UnknownEnvironmentError as exc:
         _fail(exc)
         return
@@ -204,12 +218,17 @@ def train(
     from node.envs import UnknownEnvironmentError
     from node.model import CheckpointLoadError
     from node.pipeline import RLConfig
+    from node.recipes import DOMAIN_RECIPES
     from node.runner import run_training
     from protocol.tomlconfig import ConfigFileError, load_toml_config
 
     _logging(verbose)
     try:
-        rl = load_toml_config(config, RLConfig) if config else RLConfig(checkpoint_every=1)
+        if config:
+            rl = load_toml_config(config, RLConfig)
+        else:  # the domain's recommended settings (node/recipes.py), checkpointing every step
+            recipe = DOMAIN_RECIPES.get(domain, RLConfig())
+            rl = recipe.model_copy(deep=True, update={"checkpoint_every": 1})
         overrides = {
             key: value
             for key, value in (

@@ -28,6 +28,7 @@ from rich.table import Table
 from coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
 from merge.methods import MergeSpec
 from node.config import NodeConfig
+from node.model import MULTI_DOMAIN_WARM_START_STEPS
 from node.pipeline import RLConfig
 from protocol.tomlconfig import write_toml_config
 
@@ -125,8 +126,10 @@ def demo_settings(quick: bool, steps: int | None, eval_tasks: int | None) -> Dem
         MergeSpec(method="linear", parameters={"weight": 1.0}),
     )
     if quick:
-        return DemoSettings(40, 200, steps or 2, 4, 4, eval_tasks or 6, 2, candidates)
-    return DemoSettings(None, None, steps or 10, 8, 4, eval_tasks or 32, 2, candidates)
+        return DemoSettings(100, 200, steps or 2, 4, 4, eval_tasks or 6, 2, candidates)
+    return DemoSettings(
+        MULTI_DOMAIN_WARM_START_STEPS, None, steps or 10, 8, 4, eval_tasks or 32, 2, candidates
+    )
 
 
 def write_configs(
@@ -188,9 +191,9 @@ def run_demo(
     workdir.mkdir(parents=True, exist_ok=True)
     base = workdir / ("base-quick" if quick else "base")
     if not (base / "config.json").exists():
-        from node.model import create_base_checkpoint
+        from node.model import build_threads, create_base_checkpoint
 
-        options: dict = {"domains": DOMAINS}
+        options: dict = {"domains": DOMAINS, "num_threads": build_threads()}
         if settings.warm_start_steps is not None:
             options["warm_start_steps"] = settings.warm_start_steps
         if settings.tokenizer_corpus_tasks is not None:

@@ -192,6 +192,46 @@ def test_delta_against_wrong_base_or_with_nan_refused(tmp_path, coordinator):
         peer.stop()
 
 
+def test_a_delta_whose_blobs_could_not_be_fetched_is_taken_again_when_reannounced(
+    tmp_path, coordinator
+):
+    c = coordinator
+    base = c.current_base()
+    key, store, peer = _peer(tmp_path, "dave", c.config.topic)
+    try:
+        _join(peer, c)
+        manifest = _delta_for(key, store, c.registry.checkpoint_dir(base), base.id)
+        signed = sign_manifest(manifest, key)
+        # Announced before its blobs are served: every attempt is refused by the holder.
+        _announce(peer, signed)
+        record = _wait_record(c, signed.manifest_id)
+        assert (record.status, record.rejection_kind) == ("rejected", "fetch")
+        assert "attempt 3" in (record.reason or "")  # retried before giving up
+        assert not any(c.blobs.has(sha) for sha in manifest.blobs)
+
+        # The node serves them now and announces again: fetched, checked, accepted.
+        for sha in manifest.blobs:
+            peer.serve_blob(sha)
+        _announce(peer, signed)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            record = _wait_record(c, signed.manifest_id)
+            if record.status != "rejected":
+                break
+            time.sleep(0.2)
+        assert record.status == "accepted", record.reason
+        assert all(c.blobs.has(sha) for sha in manifest.blobs)
+        with c.store.session() as s:
+            assert s.query(DeltaRecord).count() == 1
+
+        # Any other verdict is final: a further announcement changes nothing.
+        _announce(peer, signed)
+        time.sleep(1)
+        assert _wait_record(c, signed.manifest_id).status == "accepted"
+    finally:
+        peer.stop()
+
+
 def test_replayed_manifest_from_an_earlier_round_is_refused(tmp_path, tiny_base):
     c = Coordinator(_config(tmp_path, tiny_base, round=RoundPolicy(min_deltas=1)))
     c.start()

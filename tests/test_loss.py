@@ -18,9 +18,8 @@ from node.loss import (
     group_advantages,
     policy_loss,
     token_advantages,
-    token_returns,
     turn_advantages,
-    turn_returns,
+    turn_credit,
 )
 
 NAN, INF = float("nan"), float("inf")
@@ -352,52 +351,69 @@ def test_group_advantages_refuses_bad_input() -> None:
         group_advantages([1.0, NAN], ["a", "a"], normalize_std=True)
 
 
-def test_turn_rewards_are_credited_to_their_turn_with_discount() -> None:
-    # Three turns, r = (0.5, 0, 1), R = 2, γ = 0.5, w = 1:
-    #   G_2 = 1 + 2 = 3;  G_1 = 0 + 0.5·3 = 1.5;  G_0 = 0.5 + 0.5·1.5 = 1.25
-    turn_index = [-1, -1, 0, 0, 0, 1, 1, 2, 2]
-    loss_mask = [0, 0, 1, 1, 0, 1, 0, 1, 1]
-    returns = token_returns(2.0, [0.5, 0.0, 1.0], turn_index, loss_mask, 0.5, 1.0)
-    assert returns == pytest.approx([0, 0, 1.25, 1.25, 0, 1.5, 0, 3, 3])
-    # w = 2: G_2 = 2 + 2 = 4; G_1 = 2; G_0 = 1 + 1 = 2.
-    assert turn_returns(2.0, [0.5, 0.0, 1.0], 0.5, 2.0) == pytest.approx([2.0, 2.0, 4.0])
-    # γ = 1, no turn rewards: every turn gets the final reward.
-    assert turn_returns(2.0, [0.0, 0.0, 0.0], 1.0, 1.0) == [2.0, 2.0, 2.0]
-
-
-def test_token_returns_refuses_inconsistent_turns() -> None:
-    with pytest.raises(ValueError, match="belongs to turn 2, but the episode has 2 turns"):
-        token_returns(1.0, [0.0, 0.0], [0, 1, 2], [1, 1, 1], 1.0, 1.0)
+def test_turn_credit_is_the_discounted_turn_reward_to_go() -> None:
+    # r = (0.5, 0, 1), γ = 0.5: C_2 = 1; C_1 = 0 + 0.5·1 = 0.5; C_0 = 0.5 + 0.5·0.5 = 0.75.
+    assert turn_credit([0.5, 0.0, 1.0], 0.5) == pytest.approx([0.75, 0.5, 1.0])
+    assert turn_credit([0.5, 0.0, 1.0], 1.0) == pytest.approx([1.5, 1.0, 1.0])
+    assert turn_credit([0.0, 0.0], 1.0) == [0.0, 0.0]
+    assert turn_credit([], 0.5) == []
     with pytest.raises(ValueError, match="discount must be in"):
-        token_returns(1.0, [0.0], [0], [1], 0.0, 1.0)
-    with pytest.raises(ValueError, match="3 turn indices but 2 mask values"):
-        token_returns(1.0, [0.0], [0, 0, 0], [1, 1], 1.0, 1.0)
+        turn_credit([1.0], 0.0)
+    with pytest.raises(ValueError, match="turn_rewards\\[0\\] is nan"):
+        turn_credit([NAN], 1.0)
 
 
-def test_turn_advantages_use_the_groups_turn_zero_return_as_baseline() -> None:
-    # Group a: episode 0 has two turns, R = 1, γ = 0.5 → G = (0.5, 1); episode 1 one turn, R = 0
-    # → G = (0). Baseline mean(0.5, 0) = 0.25, std 0.25. Group b: equal turn-0 returns → 0.
-    # Group c: one episode → 0.
+def test_turn_advantages_add_per_position_centred_credit_to_the_outcome_advantage() -> None:
+    # γ = 0.5.
+    # Group a, both answers right (outcome part 0 whatever the normalisation):
+    #   e0: r = (0.1, 0, 0.1) → C = (0.125, 0.05, 0.1);  e1: r = (0, 0.1) → C = (0.05, 0.1).
+    #   Baselines per turn position: b_0 = 0.0875, b_1 = 0.075, b_2 = (0.1 + 0) / 2 = 0.05.
+    #   e0: (0.0375, -0.025, 0.05); e1: (-0.0375, 0.025). Small, never ±1: the turn credit is
+    #   not divided by an outcome std.
+    # Group b: e2 R = 1, e3 R = 0, no turn rewards: ±0.5 centred, ±1 normalised, on every turn.
+    # Group c: one episode: its credit is its own baseline, and its outcome part is 0.
     args = (
-        [1.0, 0.0, 1.0, 0.5, 4.0],
-        [[0.0, 0.0], [0.0], [0.0], [0.5], [1.0, 1.0]],
+        [1.0, 1.0, 1.0, 0.0, 4.0],
+        [[0.1, 0.0, 0.1], [0.0, 0.1], [0.0], [0.0, 0.0], [1.0, 1.0]],
         ["a", "a", "b", "b", "c"],
     )
-    centred = turn_advantages(
-        *args, normalize_std=False, discount=0.5, turn_reward_weight=1.0, epsilon=1e-6
-    )
-    assert centred == [
-        pytest.approx([0.25, 0.75]),
-        pytest.approx([-0.25]),
-        [0.0],
-        [0.0],
-        [0.0, 0.0],
+    centred = turn_advantages(*args, normalize_std=False, discount=0.5, turn_reward_weight=1.0)
+    expected_a = [pytest.approx([0.0375, -0.025, 0.05]), pytest.approx([-0.0375, 0.025])]
+    assert centred == [*expected_a, pytest.approx([0.5]), pytest.approx([-0.5, -0.5]), [0, 0]]
+    normalized = turn_advantages(*args, normalize_std=True, discount=0.5, turn_reward_weight=1.0)
+    assert normalized[:2] == expected_a
+    assert normalized[2:4] == [
+        pytest.approx([1.0], abs=1e-5),
+        pytest.approx([-1.0, -1.0], abs=1e-5),
     ]
-    normalized = turn_advantages(
-        *args, normalize_std=True, discount=0.5, turn_reward_weight=1.0, epsilon=1e-6
-    )
-    assert normalized[:2] == [pytest.approx([1.0, 3.0], abs=1e-4), pytest.approx([-1.0], abs=1e-4)]
-    assert normalized[2:] == [[0.0], [0.0], [0.0, 0.0]]
+    assert normalized[4] == [0.0, 0.0]
+    weighted = turn_advantages(*args, normalize_std=True, discount=0.5, turn_reward_weight=2.0)
+    assert weighted[0] == pytest.approx([0.075, -0.05, 0.1])
+    assert weighted[2:4] == normalized[2:4]
+    unweighted = turn_advantages(*args, normalize_std=True, discount=0.5, turn_reward_weight=0.0)
+    assert unweighted[0] == [0.0, 0.0, 0.0] and unweighted[1] == [0.0, 0.0]
+
+
+def test_token_advantages_refuse_inconsistent_turns() -> None:
+    def advantages(turn_index: list[int], loss_mask: list[int]) -> list[list[float]]:
+        return token_advantages(
+            [1.0, 0.0],
+            [[0.0, 0.0], [0.0]],
+            ["g", "g"],
+            [0],
+            [turn_index],
+            [loss_mask],
+            normalize_std=True,
+            discount=1.0,
+            turn_reward_weight=1.0,
+        )
+
+    with pytest.raises(ValueError, match="belongs to turn 2, but the episode has 2 turns"):
+        advantages([0, 1, 2], [1, 1, 1])
+    with pytest.raises(ValueError, match="3 turn indices but 2 mask values"):
+        advantages([0, 0, 0], [1, 1])
+    # A context token's turn is never looked up.
+    assert advantages([0, 1, 7], [1, 1, 0]) == [[pytest.approx(1.0, abs=1e-5)] * 2 + [0.0]]
 
 
 def test_without_turn_rewards_token_advantages_are_grpo() -> None:
@@ -450,7 +466,7 @@ def test_episodes_with_several_samples_get_their_turns_advantages() -> None:
         return played
 
     # Episode a (task t): two samples, its history rewritten before turn 1. Turn rewards
-    # (0.25, 0.5), R = 1, γ = 0.5: G_1 = 0.5 + 1 = 1.5, G_0 = 0.25 + 0.5·1.5 = 1.0.
+    # (0.25, 0.5), γ = 0.5: C_1 = 0.5, C_0 = 0.25 + 0.5·0.5 = 0.5; R = 1.
     a = episode("t", 1.0, [0.25, 0.5])
     a.samples[0].add_context([1, 2], -1)
     a.samples[0].add_sampled([3, 4], [-0.1, -0.2], 0)
@@ -459,7 +475,9 @@ def test_episodes_with_several_samples_get_their_turns_advantages() -> None:
     rewritten.add_context([1, 2, 5], -1)
     rewritten.add_sampled([6, 7], [-0.3, -0.4], 1)
     a.samples.append(rewritten)
-    # Episode b (task t): one turn, G_0 = 0. Baseline 0.5, std 0.5. Episode c: alone in task u.
+    # Episode b (task t): one turn, C_0 = 0, R = 0. Outcome mean 0.5, std 0.5; credit baselines
+    # b_0 = (0.5 + 0) / 2 = 0.25, b_1 = (0.5 + 0) / 2 = 0.25. Episode c: alone in task u.
+    # a: 0.5 + 0.25 on both turns; b: -0.5 - 0.25. Normalised: a 1 + 0.25, b -1 - 0.25.
     b = episode("t", 0.0, [0.0])
     b.samples[0].add_context([1, 2], -1)
     b.samples[0].add_sampled([8, 9, 10], [-0.1, -0.1, -0.1], 0)
@@ -476,14 +494,14 @@ def test_episodes_with_several_samples_get_their_turns_advantages() -> None:
     ]
     assert rows[0][0] is a.samples[0] and rows[1][0] is rewritten
     assert [values for _, values in rows] == [
-        pytest.approx([0, 0, 0.5, 0.5, 0]),
-        pytest.approx([0, 0, 0, 1.0, 1.0]),
-        pytest.approx([0, 0, -0.5, -0.5, -0.5]),
+        pytest.approx([0, 0, 0.75, 0.75, 0]),
+        pytest.approx([0, 0, 0, 0.75, 0.75]),
+        pytest.approx([0, 0, -0.75, -0.75, -0.75]),
         [0.0],
     ]
     normalized = episode_token_advantages([a, b, c], LossConfig(turn_discount=0.5))
     assert [values for _, values in normalized][:3] == [
-        pytest.approx([0, 0, 1.0, 1.0, 0], abs=1e-5),
-        pytest.approx([0, 0, 0, 2.0, 2.0], abs=1e-5),
-        pytest.approx([0, 0, -1.0, -1.0, -1.0], abs=1e-5),
+        pytest.approx([0, 0, 1.25, 1.25, 0], abs=1e-5),
+        pytest.approx([0, 0, 0, 1.25, 1.25], abs=1e-5),
+        pytest.approx([0, 0, -1.25, -1.25, -1.25], abs=1e-5),
     ]

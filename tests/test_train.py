@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from node.envs import get_environment
 from node.envs.base import Task
@@ -94,6 +95,64 @@ def test_shared_prefix_gives_the_same_logprobs_and_gradients(
     assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
     for plain, shared in zip(results[0][1], results[1][1], strict=True):
         assert torch.allclose(plain, shared, rtol=1e-4, atol=1e-5)
+
+
+def test_warm_start_on_several_environments_takes_the_whole_batch_token_mean(
+    env: MathEnvironment,
+) -> None:
+    """Each environment's demonstrations run as their own forward pass; the first step's loss
+    and the update equal those of the token mean over the whole mixed batch."""
+    import random
+
+    envs = [env, get_environment("code")]
+    renderer = build_tokenizer(TEMPLATE_FIXED_STRINGS)
+    corpus = list(TEMPLATE_FIXED_STRINGS) + render_demonstrations(renderer, envs, 50, seed=0)
+    mixed_tokenizer = build_tokenizer(corpus)
+    rng = random.Random(7)  # the draws supervised_warm_start(seed=7) makes for its first step
+    records = []
+    for slot in range(4):
+        chosen = envs[slot % 2]
+        (task,) = chosen.tasks("train", 1, seed=rng.randrange(2**62))
+        records.append(
+            tokenize_demonstration(mixed_tokenizer, chosen.solve(task), chosen.tool_schemas())
+        )
+    sequences = [r.token_ids for r in records]
+    width = max(len(s) for s in sequences)
+    pad = mixed_tokenizer.pad_token_id
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in sequences])
+    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    loss_mask = torch.tensor(
+        [r.loss_mask + [0] * (width - len(r.loss_mask)) for r in records], dtype=torch.float32
+    )
+    reference = build_tiny_model(mixed_tokenizer, seed=3)
+    logprobs = token_logprobs(reference, ids, attention)
+    expected = -(logprobs * loss_mask).sum() / loss_mask.sum()
+    expected.backward()
+    # The gradients the optimizer steps on, read by a global pre-step hook.
+    model = build_tiny_model(mixed_tokenizer, seed=3)
+    captured: list[list[torch.Tensor]] = []
+
+    def capture(optimizer, args, kwargs) -> None:
+        captured.append([p.grad.clone() for p in model.parameters()])
+
+    handle = register_optimizer_step_pre_hook(capture)
+    try:
+        losses = supervised_warm_start(
+            model,
+            mixed_tokenizer,
+            envs,
+            steps=1,
+            batch_size=4,
+            lr=1e-3,
+            seed=7,
+            max_grad_norm=1e9,
+        )
+    finally:
+        handle.remove()
+    assert len(captured) == 1
+    assert losses[0] == pytest.approx(expected.item(), rel=1e-5)
+    for grad, want in zip(captured[0], [p.grad for p in reference.parameters()], strict=True):
+        assert torch.allclose(grad, want, rtol=1e-4, atol=1e-6)
 
 
 def _episode(task_id: str, reward: float) -> Episode:

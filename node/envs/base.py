@@ -12,11 +12,13 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from transformers.utils import get_json_schema
 
 from node.tools import ToolResult, extract_final_answer
+
+T = TypeVar("T")
 
 Split = Literal["train", "heldout"]
 SPLITS: tuple[Split, ...] = ("train", "heldout")
@@ -58,6 +60,34 @@ def split_of_text(text: str, heldout_fraction: float) -> Split:
     """Assign a problem to a split by a stable hash of its text, so the splits never overlap."""
     bucket = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2**64
     return "heldout" if bucket < heldout_fraction else "train"
+
+
+def draw_split_tasks(
+    draw: Callable[[], tuple[str, T] | None],
+    split: Split,
+    n: int,
+    heldout_fraction: float,
+    what: str,
+) -> list[T]:
+    """`n` items from repeated `draw()` calls, each returning (prompt, item) or None for a
+    failed draw, keeping only new prompts that `split_of_text` puts in `split`. Raises
+    RuntimeError when the generator runs dry (100 draws per task, plus 1000)."""
+    items: list[T] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(items) < n:
+        attempts += 1
+        if attempts > 100 * n + 1000:
+            raise RuntimeError(f"could not generate {n} distinct {split} {what}")
+        drawn = draw()
+        if drawn is None:
+            continue
+        prompt, item = drawn
+        if prompt in seen or split_of_text(prompt, heldout_fraction) != split:
+            continue
+        seen.add(prompt)
+        items.append(item)
+    return items
 
 
 class Environment(ABC):

@@ -27,6 +27,7 @@ from node.envs.base import (
     Task,
     ToolFunction,
     check_split,
+    draw_split_tasks,
     split_of_text,
 )
 from node.sandbox import MiB, SandboxLimits, TestRunReport, run_tests_in_sandbox
@@ -424,23 +425,15 @@ class CodeEnvironment(Environment):
         if self.file_tasks is not None:
             return self._file_tasks(split, n, seed)
         rng = random.Random(f"code/{split}/{seed}/{','.join(self.families)}")
-        tasks: list[Task] = []
-        seen: set[str] = set()
-        attempts = 0
-        while len(tasks) < n:
-            attempts += 1
-            if attempts > 100 * n + 1000:
-                raise RuntimeError(f"could not generate {n} distinct {split} code tasks")
+
+        def draw() -> tuple[str, Task]:
             spec = FUNCTION_FAMILIES[rng.choice(self.families)](rng)
             prompt, metadata, solution = _generated_task(spec, rng)
-            if prompt in seen or split_of_text(prompt, self.heldout_fraction) != split:
-                continue
-            seen.add(prompt)
             digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
-            tasks.append(
-                Task(id=f"code-{digest}", prompt=prompt, answer=solution, metadata=metadata)
-            )
-        return tasks
+            task = Task(id=f"code-{digest}", prompt=prompt, answer=solution, metadata=metadata)
+            return prompt, task
+
+        return draw_split_tasks(draw, split, n, self.heldout_fraction, "code tasks")
 
     def _file_tasks(self, split: Split, n: int, seed: int) -> list[Task]:
         """`n` tasks of the file's split in a seeded order; when `n` exceeds the split, further

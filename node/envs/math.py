@@ -25,7 +25,7 @@ from node.envs.base import (
     Task,
     ToolFunction,
     check_split,
-    split_of_text,
+    draw_split_tasks,
 )
 from node.tools import TOOL_ERROR_PREFIX
 
@@ -404,6 +404,20 @@ def _reasoning_gym_problem(family_name: str, rng: random.Random) -> _Problem | N
     return _Problem(family_name, entry["question"], (expression,), entry["answer"], source)
 
 
+def _task_of(problem: _Problem) -> Task:
+    steps = _run_steps(problem.steps)
+    metadata: dict[str, Any] = {"family": problem.family, "steps": list(problem.steps)}
+    if problem.source is not None:
+        metadata["reasoning_gym"] = problem.source
+    digest = hashlib.sha256(problem.prompt.encode("utf-8")).hexdigest()[:16]
+    return Task(
+        id=f"math-{digest}",
+        prompt=problem.prompt,
+        answer=steps[-1][1] if problem.answer is None else problem.answer,
+        metadata=metadata,
+    )
+
+
 def _generate_problem(family: str, rng: random.Random) -> _Problem | None:
     if family in PROBLEM_TEMPLATES:
         return PROBLEM_TEMPLATES[family](rng)
@@ -451,33 +465,13 @@ class MathEnvironment(Environment):
     def tasks(self, split: Split, n: int, seed: int = 0) -> list[Task]:
         check_split(split)
         rng = random.Random(f"math/{split}/{seed}/{','.join(self.families)}")
-        tasks: list[Task] = []
-        seen: set[str] = set()
-        attempts = 0
-        while len(tasks) < n:
-            attempts += 1
-            if attempts > 100 * n + 1000:
-                raise RuntimeError(f"could not generate {n} distinct {split} math tasks")
+
+        def draw() -> tuple[str, _Problem] | None:
             problem = _generate_problem(rng.choice(self.families), rng)
-            if problem is None or problem.prompt in seen:
-                continue
-            if split_of_text(problem.prompt, HELDOUT_FRACTION) != split:
-                continue
-            seen.add(problem.prompt)
-            steps = _run_steps(problem.steps)
-            metadata: dict[str, Any] = {"family": problem.family, "steps": list(problem.steps)}
-            if problem.source is not None:
-                metadata["reasoning_gym"] = problem.source
-            digest = hashlib.sha256(problem.prompt.encode("utf-8")).hexdigest()[:16]
-            tasks.append(
-                Task(
-                    id=f"math-{digest}",
-                    prompt=problem.prompt,
-                    answer=steps[-1][1] if problem.answer is None else problem.answer,
-                    metadata=metadata,
-                )
-            )
-        return tasks
+            return None if problem is None else (problem.prompt, problem)
+
+        problems = draw_split_tasks(draw, split, n, HELDOUT_FRACTION, "math tasks")
+        return [_task_of(problem) for problem in problems]
 
     def reward(self, task: Task, final_answer: str | None) -> float:
         if final_answer is None or len(final_answer) > MAX_ANSWER_CHARS:

@@ -1,0 +1,246 @@
+"""Does RL teach the embedded base each skill? From one base, per domain: greedy held-out success
+before, RL with the domain's recipe (`node.recipes`) for a wall-clock budget, greedy held-out
+success after on the same tasks, and the gain in points. Exits 1 when any gain is below the bar.
+
+Run: `python bench/bench_learning.py [--minutes 10] [--domains math,code,search] [--base PATH]
+[--eval-tasks 128] [--min-gain 15] [--json results.json]`. Without --base it builds the embedded
+base warm-started on the benchmarked domains (`create_base_checkpoint`, default settings) and
+times that too. Domains run one after another from the same base, each with one torch thread per
+pipeline thread (rollout producers and trainer), so a run uses the machine's two cores. Beside
+each wall time the table gives the process's CPU minutes and the load average before/after:
+other work on the machine leaves a run fewer steps in the same budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from node.envs import get_environment, list_environments
+from node.evaluate import EvalResult, evaluate_checkpoint
+from node.model import create_base_checkpoint, load_policy, set_torch_threads
+from node.pipeline import AsyncRLRun, RLConfig
+from node.recipes import recipe_for
+
+# Upper bound on the steps of a budgeted run; the wall-clock budget ends it long before.
+MAX_BUDGETED_STEPS = 1_000_000
+
+
+@dataclass
+class DomainOutcome:
+    """What one domain's budgeted RL run did."""
+
+    domain: str
+    steps: int
+    minutes: float
+    cpu_minutes: float
+    before: float
+    after: float
+    train_success_first: float
+    train_success_last: float
+    load_before: float
+    load_after: float
+
+    @property
+    def gain_points(self) -> float:
+        return 100.0 * (self.after - self.before)
+
+
+def load_average() -> float:
+    """The machine's one-minute load average."""
+    return os.getloadavg()[0]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+class WallClockBudget:
+    """An `on_step` callback that asks `run` to stop before its next step would overrun the
+    budget: once the time spent plus the mean step time reaches `seconds`."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started = time.perf_counter()
+        self.run: AsyncRLRun | None = None
+        self.history: list[dict[str, float]] = []
+
+    def start(self, run: AsyncRLRun) -> None:
+        self.run = run
+        self.history.clear()
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def __call__(self, metrics: dict[str, float]) -> None:
+        self.history.append(metrics)
+        elapsed = self.elapsed()
+        if elapsed + elapsed / len(self.history) >= self.seconds and self.run is not None:
+            self.run.request_stop()
+
+
+def evaluate(
+    policy: tuple[PreTrainedModel, PreTrainedTokenizerBase], domain: str, n_tasks: int, seed: int
+) -> EvalResult:
+    """Greedy success on `n_tasks` held-out tasks drawn with `seed` (the same tasks each call)."""
+    return evaluate_checkpoint(policy, domain, n_tasks=n_tasks, seed=seed, greedy=True)
+
+
+def train_for(
+    base: Path,
+    domain: str,
+    config: RLConfig,
+    seconds: float,
+    *,
+    eval_tasks: int,
+    eval_seed: int,
+    log_every: int = 10,
+) -> DomainOutcome:
+    """RL from `base` on `domain` with `config` (its `steps` ignored) until `seconds` of wall
+    time are spent, with held-out success measured on the same tasks before and after."""
+    model, tokenizer = load_policy(base)
+    before = evaluate((model, tokenizer), domain, eval_tasks, eval_seed)
+    print(f"{domain}: held-out success before {before.success_rate:.1%}", flush=True)
+    budget = WallClockBudget(seconds)
+
+    def on_step(metrics: dict[str, float]) -> None:
+        budget(metrics)
+        done = len(budget.history)
+        if done % log_every == 0:
+            recent = budget.history[-log_every:]
+            print(
+                f"  {domain} step {done:4d}  {budget.elapsed() / 60:5.2f} min  "
+                f"reward {_mean([m['reward_mean'] for m in recent]):.3f}  "
+                f"success {_mean([m['success_rate'] for m in recent]):.3f}  "
+                f"load {load_average():.1f}",
+                flush=True,
+            )
+
+    budgeted = config.model_copy(update={"steps": MAX_BUDGETED_STEPS})
+    run = AsyncRLRun(model, tokenizer, get_environment(domain), budgeted, on_step=on_step)
+    load_before = load_average()
+    cpu_started = time.process_time()
+    budget.start(run)
+    run.run()
+    minutes = budget.elapsed() / 60
+    cpu_minutes = (time.process_time() - cpu_started) / 60
+    load_after = load_average()
+    model.eval()
+    after = evaluate((model, tokenizer), domain, eval_tasks, eval_seed)
+    successes = [m["success_rate"] for m in budget.history]
+    window = max(1, len(successes) // 10)
+    return DomainOutcome(
+        domain=domain,
+        steps=len(budget.history),
+        minutes=minutes,
+        cpu_minutes=cpu_minutes,
+        before=before.success_rate,
+        after=after.success_rate,
+        train_success_first=_mean(successes[:window]),
+        train_success_last=_mean(successes[-window:]),
+        load_before=load_before,
+        load_after=load_after,
+    )
+
+
+def print_table(outcomes: list[DomainOutcome], eval_tasks: int) -> None:
+    print(f"\nheld-out success: greedy, {eval_tasks} tasks, the same tasks before and after")
+    print(
+        f"{'domain':<8} {'steps':>6} {'minutes':>8} {'cpu min':>8} {'before':>7} {'after':>7} "
+        f"{'gain':>7}  {'train success':>15}  {'load':>9}"
+    )
+    for o in outcomes:
+        print(
+            f"{o.domain:<8} {o.steps:>6} {o.minutes:>8.2f} {o.cpu_minutes:>8.2f} "
+            f"{o.before:>7.1%} {o.after:>7.1%} {o.gain_points:>+6.1f}p  "
+            f"{o.train_success_first:>6.3f} -> {o.train_success_last:<5.3f}  "
+            f"{o.load_before:>4.1f}/{o.load_after:<4.1f}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--base", type=Path, help="a model folder (default: build the base)")
+    parser.add_argument("--minutes", type=float, default=10.0, help="RL wall time per domain")
+    parser.add_argument("--domains", default=",".join(list_environments()))
+    parser.add_argument("--eval-tasks", type=int, default=128)
+    parser.add_argument("--eval-seed", type=int, default=0)
+    parser.add_argument("--min-gain", type=float, default=15.0, help="points each domain must gain")
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    args = parser.parse_args()
+    if args.eval_tasks < 1 or args.minutes <= 0:
+        parser.error("--eval-tasks and --minutes must be positive")
+    domains = [domain.strip() for domain in args.domains.split(",") if domain.strip()]
+    recipes = {domain: recipe_for(domain) for domain in domains}
+    set_torch_threads(1)
+
+    base: Path = args.base
+    base_timing: dict[str, float] | None = None
+    if base is None:
+        print(f"building the base on {', '.join(domains)} (load {load_average():.1f})…", flush=True)
+        started, cpu_started = time.perf_counter(), time.process_time()
+        folder = Path(tempfile.mkdtemp(prefix="bench-learning-")) / "base"
+        base = create_base_checkpoint(folder, domains=domains)
+        base_timing = {
+            "minutes": (time.perf_counter() - started) / 60,
+            "cpu_minutes": (time.process_time() - cpu_started) / 60,
+            "load_after": load_average(),
+        }
+        print(
+            f"base built in {base_timing['minutes']:.2f} min, {base_timing['cpu_minutes']:.2f} "
+            f"CPU min (load {base_timing['load_after']:.1f}): {base}",
+            flush=True,
+        )
+
+    outcomes: list[DomainOutcome] = []
+    for domain in domains:
+        print(f"{domain}: recipe {recipes[domain].model_dump_json()}", flush=True)
+        outcomes.append(
+            train_for(
+                base,
+                domain,
+                recipes[domain],
+                args.minutes * 60,
+                eval_tasks=args.eval_tasks,
+                eval_seed=args.eval_seed,
+            )
+        )
+    print_table(outcomes, args.eval_tasks)
+    if base_timing is not None:
+        print(
+            f"base warm start: {base_timing['minutes']:.2f} min wall, "
+            f"{base_timing['cpu_minutes']:.2f} CPU min"
+        )
+    if args.json is not None:
+        report = {
+            "base": str(base),
+            "base_build": base_timing,
+            "minutes_per_domain": args.minutes,
+            "eval_tasks": args.eval_tasks,
+            "eval_seed": args.eval_seed,
+            "min_gain_points": args.min_gain,
+            "recipes": {
+                domain: config.model_dump(mode="json") for domain, config in recipes.items()
+            },
+            "outcomes": [asdict(o) | {"gain_points": o.gain_points} for o in outcomes],
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    failed = [o.domain for o in outcomes if o.gain_points < args.min_gain]
+    if failed:
+        print(f"FAIL: gain below {args.min_gain:g} points on {', '.join(failed)}")
+        return 1
+    print(f"PASS: every domain gained at least {args.min_gain:g} points")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
