@@ -4,6 +4,7 @@ the tool-call parser/executor."""
 from __future__ import annotations
 
 import json
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from decimal import getcontext
@@ -91,6 +92,15 @@ def test_calculator_computes_exactly() -> None:
 def test_calculator_refuses_unsafe_or_invalid_input(expression: str) -> None:
     result = calculator(expression)
     assert result.startswith(TOOL_ERROR_PREFIX), result
+
+
+@pytest.mark.parametrize("expression", ["3in 4", "1if 2", "5or 6", "1else"])
+def test_model_written_junk_is_refused_without_parser_warnings(expression: str) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = calculator(expression)
+    assert result.startswith(TOOL_ERROR_PREFIX), result
+    assert [w for w in caught if issubclass(w.category, SyntaxWarning)] == []
 
 
 def test_format_number_trims_and_rounds() -> None:
