@@ -26,9 +26,11 @@ _OUTCOME_ONLY = LossConfig(turn_reward_weight=0.0)
 
 DOMAIN_RECIPES: dict[str, RLConfig] = {
     # From a warm start at the onset of number copying (350 steps, 4.7% greedy): 10 minutes,
-    # 305 steps, 4.7% -> 20.3% (+15.6 points), sampled training success 2% -> 17%. From a later
-    # warm start (400 steps, 25.8%) 6 minutes gave only +3.1: sampled success rose 5% -> 25%, up
-    # to the greedy level, and greedy barely moved.
+    # 305 steps under load, 4.7% -> 20.3% (+15.6 points); on idle cores 782 steps, 4.7% -> 27.3%
+    # (+22.7), sampled training success 3.7% -> 22.7%. From a later warm start (400 steps, 25.8%)
+    # 6 minutes gave only +3.1. From the base `skillswarm bootstrap` built with 2 threads (350
+    # steps, 16.4% greedy but 2.9% sampled) 10 minutes lost 12.5 points: sampled success never
+    # rose. Where the warm start leaves the model matters more than any setting tried here.
     "math": RLConfig(
         tasks_per_step=8,
         samples_per_task=4,
@@ -38,7 +40,8 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
         loss=_OUTCOME_ONLY,
     ),
     # From a warm start at 43.8% greedy (200 steps): 10 minutes, 68 steps of 8 tasks x 8 samples,
-    # 43.8% -> 53.1% (+9.4 points), sampled training success 31% -> 46%. Groups of 8 give the
+    # 43.8% -> 53.1% (+9.4 points), sampled training success 31% -> 46%. From the 350-step
+    # bootstrap base (73.4%): 138 steps, +0.8 points, sampled 54% -> 63%. Groups of 8 give the
     # all-or-nothing function families a success to learn from more often than groups of 4
     # (8 x 4 from 33.6%: +3.1 with turn rewards, -1.6 without, in 6 minutes).
     "code": RLConfig(
