@@ -152,7 +152,7 @@ def supervised_warm_start(
             for slot in range(batch_size):
                 env = envs[slot % len(envs)]
                 (task,) = env.tasks("train", 1, seed=rng.randrange(2**62))
-                by_env.setdefault(slot % len(envs), []).append(
+                by_env.setdefault(id(env), []).append(
                     tokenize_demonstration(tokenizer, env.solve(task), schemas[id(env)])
                 )
             # One forward/backward per environment: its demonstrations share the system prompt
@@ -172,11 +172,10 @@ def supervised_warm_start(
                 part = -(logprobs * loss_mask).sum() / max(1, total_tokens)
                 part.backward()
                 loss_sum += part.item()
-            loss = torch.tensor(loss_sum)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
             schedule.step()
-            losses.append(loss.item())
+            losses.append(loss_sum)
     finally:
         model.train(was_training)
     return losses

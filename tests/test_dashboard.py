@@ -10,17 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+from delta_helpers import current_base_tensors, hand_in_delta, noisy
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
 from coordinator.service import Coordinator
-from merge.streaming import iter_base_tensors
 from node.openai_server import running_server
-from protocol.delta import pack_delta
-from protocol.identity import KeyPair, load_or_create_identity, peer_id_of, public_key_bytes
-from protocol.manifest import sign_manifest
-from protocol.messages import DeltaAnnounced, NodeHeartbeat
+from protocol.identity import KeyPair, load_or_create_identity, peer_id_of
+from protocol.messages import NodeHeartbeat
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -38,25 +35,10 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _hand_in_delta(coordinator: Coordinator, key: KeyPair, domain: str, scale: float) -> None:
     """A signed delta of `key`'s peer, as if announced on gossip and fetched."""
-    current = coordinator.current_base()
-    tensors = dict(iter_base_tensors(coordinator.registry.checkpoint_dir(current)))
-    generator = torch.Generator().manual_seed(int(scale * 1e6))
-    tuned = {n: t + scale * torch.randn(t.shape, generator=generator) for n, t in tensors.items()}
-    manifest = pack_delta(
-        tensors,
-        tuned,
-        coordinator.blobs,
-        peer_id=peer_id_of(key),
-        public_key=public_key_bytes(key),
-        domain=domain,
-        base_id=current.id,
-        round=coordinator.current_round().number,
-        steps=3,
-        metrics={"reward_mean": 0.5},
+    tuned = noisy(current_base_tensors(coordinator), int(scale * 1e6), scale)
+    record = hand_in_delta(
+        coordinator, key, tuned, domain=domain, steps=3, metrics={"reward_mean": 0.5}
     )
-    signed = sign_manifest(manifest, key)
-    body = DeltaAnnounced(manifest_bytes=signed.manifest_bytes, signature=signed.signature)
-    record = coordinator.handle_announcement(peer_id_of(key), body)
     assert record.status == "accepted", record.reason
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from delta_helpers import hand_in_delta
 from pydantic import ValidationError
 
 from coordinator.config import CoordinatorConfig, EvalConfig, GateConfig, RoundPolicy
@@ -29,8 +30,6 @@ from merge.streaming import iter_base_tensors
 from protocol.blobstore import BlobStore
 from protocol.delta import DeltaReader, pack_delta
 from protocol.identity import KeyPair, load_or_create_identity, peer_id_of, public_key_bytes
-from protocol.manifest import sign_manifest
-from protocol.messages import DeltaAnnounced
 
 GROWN_TENSOR = "model.layers.0.mlp.down_proj.weight"
 # eval.validation_seed whose 8 held-out math tasks the embedded base solves well (5 of 8 when
@@ -70,23 +69,7 @@ def _hand_in(
 ) -> DeltaRecord:
     """Sign a delta of `tuned` against the current base (or `base`), put its blobs in the
     coordinator's store as a fetch would, and hand in the announcement."""
-    info = c.current_base()
-    if base is None:
-        base = dict(iter_base_tensors(c.registry.checkpoint_dir(info)))
-    manifest = pack_delta(
-        base,
-        tuned,
-        c.blobs,
-        peer_id=peer_id_of(key),
-        public_key=public_key_bytes(key),
-        domain=domain,
-        base_id=info.id,
-        round=c.current_round().number,
-        steps=8,
-    )
-    signed = sign_manifest(manifest, key)
-    body = DeltaAnnounced(manifest_bytes=signed.manifest_bytes, signature=signed.signature)
-    return c.handle_announcement(peer_id_of(key), body)
+    return hand_in_delta(c, key, tuned, base=base, domain=domain, steps=8)
 
 
 # -- the gate functions --------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 import uvicorn
+from delta_helpers import current_base_tensors, hand_in_delta, noisy
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openapi_spec_validator import validate as validate_openapi
@@ -23,11 +23,7 @@ from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
 from coordinator.service import Coordinator
 from coordinator.store import DeltaRecord
-from merge.streaming import iter_base_tensors
-from protocol.delta import pack_delta
-from protocol.identity import KeyPair, load_or_create_identity, peer_id_of, public_key_bytes
-from protocol.manifest import sign_manifest
-from protocol.messages import DeltaAnnounced
+from protocol.identity import KeyPair, load_or_create_identity, peer_id_of
 
 TOKEN = "operator-token-" + "7f3a9c" * 4
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -79,25 +75,8 @@ def client(coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch) -> TestCli
 def _hand_in_delta(c: Coordinator, key: KeyPair, scale: float) -> DeltaRecord:
     """A signed delta from `key`'s peer, its blobs already in the coordinator's store, as if
     announced on gossip and fetched."""
-    base = c.current_base()
-    tensors = dict(iter_base_tensors(c.registry.checkpoint_dir(base)))
-    generator = torch.Generator().manual_seed(int(scale * 1e6))
-    tuned = {n: t + scale * torch.randn(t.shape, generator=generator) for n, t in tensors.items()}
-    manifest = pack_delta(
-        tensors,
-        tuned,
-        c.blobs,
-        peer_id=peer_id_of(key),
-        public_key=public_key_bytes(key),
-        domain="math",
-        base_id=base.id,
-        round=c.current_round().number,
-        steps=7,
-        metrics={"reward": 0.25},
-    )
-    signed = sign_manifest(manifest, key)
-    body = DeltaAnnounced(manifest_bytes=signed.manifest_bytes, signature=signed.signature)
-    return c.handle_announcement(peer_id_of(key), body)
+    tuned = noisy(current_base_tensors(c), int(scale * 1e6), scale)
+    return hand_in_delta(c, key, tuned, steps=7, metrics={"reward": 0.25})
 
 
 def _operator_calls(peer_id: str, revision: str) -> list[tuple[str, str, dict]]:

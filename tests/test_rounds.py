@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from delta_helpers import current_base_tensors, hand_in_delta, noisy, signed_announcement
 from sqlalchemy import create_engine, text
 
 from coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
@@ -31,11 +31,10 @@ from merge.checkpoint import verify_folder
 from merge.methods import MergeSpec
 from merge.streaming import iter_base_tensors
 from protocol.blobstore import BlobStore
-from protocol.delta import pack_delta
 from protocol.host import SwarmHost
-from protocol.identity import KeyPair, load_or_create_identity, peer_id_of, public_key_bytes
-from protocol.manifest import DeltaManifest, sign_manifest
-from protocol.messages import DeltaAnnounced, NodeHeartbeat, encode_message
+from protocol.identity import KeyPair, load_or_create_identity, peer_id_of
+from protocol.manifest import DeltaManifest
+from protocol.messages import NodeHeartbeat, encode_message
 from protocol.tomlconfig import write_toml_config
 from skillswarm.demo import free_port, spawn, wait_http
 
@@ -50,40 +49,9 @@ def _config(tmp_path: Path, base: Path, **fields) -> CoordinatorConfig:
     return CoordinatorConfig(**(defaults | fields))
 
 
-def _delta(
-    base: dict[str, torch.Tensor],
-    base_id: str,
-    round_number: int,
-    key: KeyPair,
-    seed: int,
-    domain: str,
-    store: BlobStore,
-) -> DeltaAnnounced:
-    """A signed delta of small Gaussian noise on `base`, its blob written into `store`."""
-    generator = torch.Generator().manual_seed(seed)
-    tuned = {n: t + 1e-3 * torch.randn(t.shape, generator=generator) for n, t in base.items()}
-    manifest = pack_delta(
-        base,
-        tuned,
-        store,
-        peer_id=peer_id_of(key),
-        public_key=public_key_bytes(key),
-        domain=domain,
-        base_id=base_id,
-        round=round_number,
-        steps=4,
-    )
-    signed = sign_manifest(manifest, key)
-    return DeltaAnnounced(manifest_bytes=signed.manifest_bytes, signature=signed.signature)
-
-
 def _hand_in(c: Coordinator, key: KeyPair, seed: int, domain: str = "math") -> DeltaRecord:
     """A signed delta whose blobs are already in the coordinator's store, as after a fetch."""
-    info = c.current_base()
-    base = dict(iter_base_tensors(c.registry.checkpoint_dir(info)))
-    number = c.current_round().number
-    body = _delta(base, info.id, number, key, seed, domain, c.blobs)
-    return c.handle_announcement(peer_id_of(key), body)
+    return hand_in_delta(c, key, noisy(current_base_tensors(c), seed), domain=domain)
 
 
 def _open_since(c: Coordinator, seconds: float) -> None:
@@ -406,7 +374,14 @@ def test_coordinator_killed_mid_merge_restarts_and_completes_the_round(tmp_path,
         base = dict(iter_base_tensors(tiny_base))
         ids = []
         for seed in (1, 2):
-            body = _delta(base, info["base_id"], info["round"], key, seed, "math", node.blob_store)
+            body = signed_announcement(
+                base,
+                noisy(base, seed),
+                node.blob_store,
+                key,
+                base_id=info["base_id"],
+                round_number=info["round"],
+            )
             for sha in DeltaManifest.decode(body.manifest_bytes).blobs:
                 node.serve_blob(sha)
             ids.append(body.signed.manifest_id)
