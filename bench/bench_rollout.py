@@ -2,13 +2,15 @@
 
 Plays the same held-out tasks with the embedded base model twice in one run: one episode after
 another, then all of them together through the rollout engine (batched generation, concurrent tool
-calls). Prints both rates and their ratio (the project's target is at least 4x at 32 episodes).
+calls). Prints both rates and their ratio (the project's target is at least 4x at 32 episodes),
+then each round's ratio, as the machine's other load moves single rounds a lot.
 Run: `python bench/bench_rollout.py [--episodes 32] [--domain math] [--base PATH]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -52,17 +54,23 @@ def main() -> None:
         return time.perf_counter() - started, sum(e.num_turns for e in episodes), _mean(episodes)
 
     best: dict[str, tuple[float, int, float]] = {}
+    ratios: list[float] = []
     for _ in range(args.rounds):
+        round_seconds: dict[str, float] = {}
         for name, run in (("one at a time", one_at_a_time), ("concurrent", all_together)):
             result = run()
+            round_seconds[name] = result[0]
             if name not in best or result[0] < best[name][0]:
                 best[name] = result
+        ratios.append(round_seconds["one at a time"] / round_seconds["concurrent"])
     print(f"{args.episodes} {args.domain} episodes, torch threads = {args.threads}")
     print(f"{'mode':>14} {'seconds':>8} {'episodes/s':>11} {'turns':>6} {'reward':>7}")
     for name, (seconds, turns, reward) in best.items():
         print(f"{name:>14} {seconds:8.2f} {args.episodes / seconds:11.2f} {turns:6d} {reward:7.3f}")
     ratio = best["one at a time"][0] / best["concurrent"][0]
     print(f"concurrent / one at a time: {ratio:.1f}x (target >= 4x)")
+    rounds = " ".join(f"{value:.1f}x" for value in ratios)
+    print(f"per round: {rounds} (median {statistics.median(ratios):.1f}x)")
 
 
 def _mean(episodes: list) -> float:

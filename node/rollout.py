@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from node.envs.base import Environment, Message, Task, strip_reasoning
 from node.inference import (
     DEFAULT_MAX_BATCH_SIZE,
+    ConversationKV,
     Generation,
     GenerationRequest,
     HFBackend,
@@ -343,11 +344,16 @@ class RolloutEngine:
         executor = ThreadPoolExecutor(self.tool_workers, thread_name_prefix="tool")
         pending: list[_PendingTurn] = []
         ready = [episode for episode in episodes if not episode.done]
+        # The backend's KV cache of each episode waiting on tools, handed back with its next turn.
+        kv_caches: dict[int, ConversationKV | None] = {}
         try:
             while ready or pending:
                 if ready:
                     generations = self.backend.generate(
-                        [self._request(episode) for episode in ready],
+                        [
+                            self._request(episode, kv_caches.pop(id(episode), None))
+                            for episode in ready
+                        ],
                         temperature=temperature,
                         greedy=greedy,
                         seed=rng.getrandbits(62),
@@ -355,6 +361,7 @@ class RolloutEngine:
                     for episode, generation in zip(ready, generations, strict=True):
                         calls = self._record_turn(episode, generation)
                         if calls:
+                            kv_caches[id(episode)] = generation.kv
                             pending.append(
                                 self._submit_calls(executor, episode, calls, bound_tools)
                             )
@@ -384,13 +391,14 @@ class RolloutEngine:
             episode.finish_reason = "context"
         return episode
 
-    def _request(self, episode: Episode) -> GenerationRequest:
+    def _request(self, episode: Episode, kv: ConversationKV | None) -> GenerationRequest:
         budget = min(self.max_new_tokens, self.max_total_tokens - len(episode.tokens.token_ids))
         return GenerationRequest(
             prompt_ids=episode.tokens.token_ids,
             max_new_tokens=budget,
             task=episode.task,
             turn=episode.num_turns,
+            kv=kv,
         )
 
     def _record_turn(self, episode: Episode, generation: Generation) -> list[ToolCall]:

@@ -13,6 +13,7 @@ from node.envs import get_environment
 from node.envs.base import Task
 from node.envs.math import MathEnvironment
 from node.evaluate import evaluate_checkpoint
+from node.inference import Generation, HFBackend
 from node.model import (
     TEMPLATE_FIXED_STRINGS,
     build_tokenizer,
@@ -21,6 +22,7 @@ from node.model import (
 )
 from node.rollout import (
     PROMPT_TURN,
+    RolloutEngine,
     encode_text,
     play_episodes,
     render_conversation,
@@ -269,6 +271,37 @@ def test_rollout_logprobs_match_a_fresh_forward_pass(env: MathEnvironment, warm_
         assert torch.all(behaviour[~sampled] == 0)
         checked += int(sampled.sum())
     assert checked > 100
+
+
+class _CacheCountingBackend(HFBackend):
+    """An HF backend that notes, for every generation call, which requests brought their
+    conversation's cache from the previous turn (test only)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.with_cache: list[list[bool]] = []
+
+    def generate(self, requests: Any, **options: Any) -> list[Generation]:
+        self.with_cache.append([request.kv is not None for request in requests])
+        return super().generate(requests, **options)
+
+
+def test_later_turns_continue_from_their_conversation_cache(
+    env: MathEnvironment, warm_policy
+) -> None:
+    warm_model, tokenizer = warm_policy
+    backend = _CacheCountingBackend(warm_model, tokenizer)
+    engine = RolloutEngine(backend, env, max_new_tokens=48, schedule="waves")
+    episodes = engine.play(env.tasks("heldout", 6), samples_per_task=2, seed=3)
+    assert any(episode.num_turns >= 2 for episode in episodes)
+    first, *later = backend.with_cache
+    assert not any(first) and later and all(all(call) for call in later)
+    for episode in episodes:
+        ids = torch.tensor([episode.token_ids])
+        with torch.no_grad():
+            fresh = token_logprobs(warm_model, ids, torch.ones_like(ids), 1.0)[0]
+        sampled = torch.tensor(episode.loss_mask, dtype=torch.bool)
+        assert torch.allclose(fresh[sampled], torch.tensor(episode.logprobs)[sampled], atol=1e-4)
 
 
 def test_tempered_sampling_logprobs_use_the_scaled_distribution(
