@@ -179,21 +179,39 @@ class BlobStore:
             os.close(fd)
         return partial, length
 
+    def resume_partial(self, sha256: str) -> tuple[Path, int, hashlib._Hash]:
+        """Like `open_partial`, plus a sha256 fed the partial's bytes so far.
+
+        Feed the digest every byte appended to the partial, then pass it to `commit_partial`,
+        which then need not read the whole file back: a download hashes as it goes.
+        """
+        partial, _ = self.open_partial(sha256)
+        digest = hashlib.sha256()
+        length = 0
+        with open(partial, "rb") as partial_file:
+            while chunk := partial_file.read(COPY_CHUNK_BYTES):
+                digest.update(chunk)
+                length += len(chunk)
+        return partial, length, digest
+
     def discard_partial(self, sha256: str) -> None:
         """Delete the partial download of a blob, if any."""
         _remove_if_present(self.partial_path(sha256))
 
-    def commit_partial(self, sha256: str) -> Path:
+    def commit_partial(self, sha256: str, digest: hashlib._Hash | None = None) -> Path:
         """Verify the partial download hashes to `sha256` and move it into place.
 
-        On a mismatch the partial is deleted and BlobCorrupted is raised.
+        `digest`, from `resume_partial` and fed every byte appended since, spares reading the
+        file back; without it the file is read and hashed. On a mismatch the partial is deleted
+        and BlobCorrupted is raised.
         """
         partial = self.partial_path(sha256)
-        digest = hashlib.sha256()
         try:
             with open(partial, "rb+") as partial_file:
-                while chunk := partial_file.read(COPY_CHUNK_BYTES):
-                    digest.update(chunk)
+                if digest is None:
+                    digest = hashlib.sha256()
+                    while chunk := partial_file.read(COPY_CHUNK_BYTES):
+                        digest.update(chunk)
                 os.fsync(partial_file.fileno())
         except FileNotFoundError:
             raise BlobNotFound(f"no partial download of blob {sha256} to commit") from None

@@ -142,6 +142,41 @@ def test_corrupted_partial_is_deleted_and_reported(tmp_path: Path) -> None:
     assert not store.has(sha256)
 
 
+def test_a_download_hashed_as_it_arrives_commits_with_its_digest(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    data = os.urandom(100_000)
+    sha256 = hashlib.sha256(data).hexdigest()
+    partial, _ = store.open_partial(sha256)
+    partial.write_bytes(data[:40_000])
+
+    partial, length, digest = store.resume_partial(sha256)  # hashes the bytes already there
+    assert length == 40_000
+    with open(partial, "ab") as partial_file:
+        partial_file.write(data[40_000:])
+    digest.update(data[40_000:])
+
+    assert store.commit_partial(sha256, digest).read_bytes() == data
+    assert not partial.exists()
+
+
+def test_a_resumed_partial_with_bad_bytes_on_disk_fails_its_commit(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    data = os.urandom(100_000)
+    sha256 = hashlib.sha256(data).hexdigest()
+    partial, _ = store.open_partial(sha256)
+    partial.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:40_000])
+
+    _, _, digest = store.resume_partial(sha256)
+    with open(partial, "ab") as partial_file:
+        partial_file.write(data[40_000:])
+    digest.update(data[40_000:])  # every byte received since was right
+
+    with pytest.raises(BlobCorrupted, match=sha256):
+        store.commit_partial(sha256, digest)
+    assert not partial.exists()
+    assert not store.has(sha256)
+
+
 def test_commit_without_partial_raises_blob_not_found(tmp_path: Path) -> None:
     store = BlobStore(tmp_path / "blobs")
     with pytest.raises(BlobNotFound):

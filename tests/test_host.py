@@ -618,7 +618,7 @@ def test_a_connection_that_accepts_nothing_is_closed_after_the_stall_timeout(
 
     async def write_to_a_peer_that_never_reads() -> int:
         async with tcp_connection_pair() as (connection, far_end):
-            with pytest.raises(RawConnError, match="accepted no message"):
+            with pytest.raises(RawConnError, match="accepted less than"):
                 await connection.write(os.urandom(32 << 20))
             drained = 0
             with trio.fail_after(DELIVERY_TIMEOUT_S):

@@ -1,0 +1,222 @@
+"""SwarmHost against a stock py-libp2p host (its own Noise transport and Yamux, no subclasses).
+
+SwarmHost seals and opens Noise messages in batches and writes Yamux frames larger than
+py-libp2p's; these tests check that a stock peer still reads every byte it writes and writes
+every byte it reads: each side dials, and each side serves a blob to the other, over the blob
+wire protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import multiaddr
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetStream, ISecureConn
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.io.trio import TrioTCPStream
+from libp2p.network.connection.exceptions import RawConnError
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+
+from protocol.blobstore import BlobStore
+from protocol.host import BLOB_PROTOCOL_ID, SwarmHost, _CancelSafeNoiseTransport
+from protocol.identity import load_or_create_identity
+
+pytestmark = pytest.mark.timeout(60)
+
+TOPIC = "skillswarm-interop-test"
+# Several Noise messages, Yamux frames and window updates, and a tail that fills none of them.
+BLOB_BYTES = (8 << 20) + 7
+STOCK_WRITE_BYTES = 1 << 20
+TRANSFER_TIMEOUT_S = 30
+DIALERS = ["stock peer dials", "SwarmHost dials"]
+# Noise messages carry at most 65519 bytes: sizes on each side of one and several of them.
+MESSAGE_SIZES = [1, 12, 65_519, 65_520, 3 * 65_519 + 5, (1 << 20) + 3]
+
+
+@asynccontextmanager
+async def stock_peer() -> AsyncIterator[IHost]:
+    """A py-libp2p host exactly as the library builds it: stock Noise and stock Yamux."""
+    key_pair = create_new_key_pair()
+    noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
+    host = new_host(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},
+        muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+    )
+    async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        yield host
+
+
+async def connect(swarm: SwarmHost, peer: IHost, dialer: str) -> None:
+    if dialer == "stock peer dials":
+        await peer.connect(info_from_p2p_addr(multiaddr.Multiaddr(swarm.listen_addrs[0])))
+    else:
+        await trio.to_thread.run_sync(swarm.connect, str(peer.get_addrs()[0]))
+
+
+def run_with_stock_peer(
+    tmp_path: Path, exercise: Callable[[SwarmHost, IHost], Awaitable[None]]
+) -> None:
+    key_pair = load_or_create_identity(tmp_path / "swarm.key")
+    with SwarmHost(key_pair, BlobStore(tmp_path / "swarm-blobs"), TOPIC) as swarm:
+
+        async def with_peer() -> None:
+            async with stock_peer() as peer:
+                with trio.fail_after(TRANSFER_TIMEOUT_S):
+                    await exercise(swarm, peer)
+
+        trio.run(with_peer)
+
+
+async def read_exactly(stream: INetStream, count: int) -> bytes:
+    data = bytearray()
+    while len(data) < count:
+        data += await stream.read(count - len(data))
+    return bytes(data)
+
+
+def frame(message: dict[str, Any]) -> bytes:
+    payload = msgpack.packb(message)
+    return struct.pack(">I", len(payload)) + payload
+
+
+async def read_frame(stream: INetStream) -> dict[str, Any]:
+    (length,) = struct.unpack(">I", await read_exactly(stream, 4))
+    message: dict[str, Any] = msgpack.unpackb(await read_exactly(stream, length))
+    return message
+
+
+@pytest.mark.parametrize("dialer", DIALERS)
+def test_a_stock_peer_fetches_whole_and_ranged_blobs_from_swarm_host(
+    tmp_path: Path, dialer: str
+) -> None:
+    data = os.urandom(BLOB_BYTES)
+
+    async def exercise(swarm: SwarmHost, peer: IHost) -> None:
+        sha256 = swarm.blob_store.put_bytes(data)
+        swarm.serve_blob(sha256)
+        await connect(swarm, peer, dialer)
+        for offset, length in [(0, len(data)), (65_519 * 3 + 5, 1 << 20), (len(data) - 1, 1)]:
+            stream = await peer.new_stream(
+                ID.from_base58(swarm.peer_id), [TProtocol(BLOB_PROTOCOL_ID)]
+            )
+            await stream.write(frame({"sha256": sha256, "offset": offset, "length": length}))
+            header = await read_frame(stream)
+            assert (header["ok"], header["size"], header["length"]) == (True, len(data), length)
+            assert await read_exactly(stream, length) == data[offset : offset + length]
+            await stream.close()
+
+    run_with_stock_peer(tmp_path, exercise)
+
+
+@pytest.mark.parametrize("dialer", DIALERS)
+def test_swarm_host_fetches_a_blob_a_stock_peer_serves(tmp_path: Path, dialer: str) -> None:
+    data = os.urandom(BLOB_BYTES)
+    sha256 = BlobStore(tmp_path / "reference").put_bytes(data)
+
+    async def serve_blob(stream: INetStream) -> None:
+        """The blob wire protocol as a peer without SwarmHost's code would speak it."""
+        request = await read_frame(stream)
+        assert request["sha256"] == sha256
+        offset, length = request["offset"], request["length"]
+        await stream.write(frame({"ok": True, "size": len(data), "length": length, "error": None}))
+        for start in range(offset, offset + length, STOCK_WRITE_BYTES):
+            await stream.write(data[start : min(start + STOCK_WRITE_BYTES, offset + length)])
+        await stream.close()
+
+    async def exercise(swarm: SwarmHost, peer: IHost) -> None:
+        peer.set_stream_handler(TProtocol(BLOB_PROTOCOL_ID), serve_blob)
+        await connect(swarm, peer, dialer)
+        path = await trio.to_thread.run_sync(
+            swarm.fetch_blob, peer.get_id().to_base58(), sha256, len(data)
+        )
+        assert path.read_bytes() == data
+
+    run_with_stock_peer(tmp_path, exercise)
+
+
+@asynccontextmanager
+async def noise_sessions() -> AsyncIterator[tuple[ISecureConn, ISecureConn, trio.SocketStream]]:
+    """SwarmHost's Noise session (initiator) and a stock one (responder) over real TCP, and the
+    stock side's socket, to write bytes that are no Noise message."""
+    ours, theirs = create_new_key_pair(), create_new_key_pair()
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with listener:
+        near_end = await trio.open_tcp_stream("127.0.0.1", listener.socket.getsockname()[1])
+        async with near_end, await listener.accept() as far_end:
+            sessions: dict[str, ISecureConn] = {}
+
+            async def secure_ours() -> None:
+                transport = _CancelSafeNoiseTransport(
+                    ours, noise_privkey=create_x25519_key_pair().private_key
+                )
+                raw = RawConnection(TrioTCPStream(near_end), True)
+                sessions["ours"] = await transport.secure_outbound(
+                    raw, ID.from_pubkey(theirs.public_key)
+                )
+
+            async def secure_theirs() -> None:
+                transport = NoiseTransport(
+                    theirs, noise_privkey=create_x25519_key_pair().private_key
+                )
+                raw = RawConnection(TrioTCPStream(far_end), False)
+                sessions["theirs"] = await transport.secure_inbound(raw)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(secure_ours)
+                nursery.start_soon(secure_theirs)
+            yield sessions["ours"], sessions["theirs"], far_end
+
+
+def test_batched_and_stock_noise_sessions_exchange_messages_of_every_size() -> None:
+    payloads = [os.urandom(size) for size in MESSAGE_SIZES]
+
+    async def exchange() -> None:
+        async def write_all(session: ISecureConn) -> None:
+            for payload in payloads:
+                await session.write(payload)
+
+        async with noise_sessions() as (ours, theirs, _):
+            with trio.fail_after(TRANSFER_TIMEOUT_S):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(write_all, theirs)
+                    received = await ours.read(12) + await ours.read(100_000)
+                    while len(received) < sum(map(len, payloads)):
+                        received += await ours.read(None)
+                assert received == b"".join(payloads)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(write_all, ours)
+                    for payload in payloads:
+                        assert await theirs.read(len(payload)) == payload
+
+    trio.run(exchange)
+
+
+def test_a_forged_noise_message_fails_and_closes_the_connection() -> None:
+    async def forge() -> None:
+        async with noise_sessions() as (ours, _, far_end):
+            await far_end.send_all(struct.pack(">H", 48) + os.urandom(48))
+            with trio.fail_after(TRANSFER_TIMEOUT_S):
+                with pytest.raises(RawConnError, match="failed authentication"):
+                    await ours.read(10)
+                assert await far_end.receive_some(1) == b""  # closed from our end
+
+    trio.run(forge)
