@@ -65,6 +65,10 @@ __all__ = ["Coordinator", "DeltaRejected", "expert_label", "record_id"]
 # Attempts at fetching each blob of an announced delta before it is recorded as a failed fetch
 # (which a later announcement of the same delta retries).
 FETCH_ATTEMPTS = 3
+# A delta whose fetch failed is taken again only once this long has passed since that failure
+# was recorded: a peer re-announcing it in a tight loop gets one fetch per cooldown, not one per
+# message. Nodes re-announce every 10 s, so an honest retry is never held back by more than that.
+FETCH_RETRY_COOLDOWN_S = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,7 @@ class Coordinator:
         self._nodes_lock = threading.Lock()
         self._base_tensors: dict[str, CheckpointTensors] = {}
         self._score_cache: dict[tuple[str, str, int, int], dict[str, Any]] = {}
+        self.fetch_retry_cooldown_s = FETCH_RETRY_COOLDOWN_S
 
     # lifecycle -----------------------------------------------------------------------------
 
@@ -296,6 +301,7 @@ class Coordinator:
                     existing is not None
                     and existing.status == "rejected"
                     and existing.rejection_kind == "fetch"
+                    and self._fetch_retry_due(existing)
                 ):
                     # Its blobs could not be fetched last time (the node was unreachable, the
                     # link dropped): the announcement is taken again, resuming any partial blob.
@@ -306,6 +312,13 @@ class Coordinator:
                     )
                     s.delete(existing)
                     existing = None
+                if existing is not None and existing.rejection_kind == "fetch":
+                    log.info(
+                        "ignored announcement of delta %s: its fetch failed under %.0f s ago",
+                        delta_id[:12],
+                        self.fetch_retry_cooldown_s,
+                    )
+                    return existing
                 if existing is not None:
                     log.info(
                         "ignored repeated announcement of delta %s (%s in round %s)",
@@ -426,6 +439,11 @@ class Coordinator:
         with self.store.session() as s:
             row = s.get(PeerAccessRecord, peer_id)
             return None if row is None else row.allowed
+
+    def _fetch_retry_due(self, failed: DeltaRecord) -> bool:
+        """Whether FETCH_RETRY_COOLDOWN_S has passed since `failed`'s fetch failure was recorded."""
+        waited = (utcnow() - as_utc(failed.received_at)).total_seconds()
+        return waited >= self.fetch_retry_cooldown_s
 
     def _fetch_and_validate(self, from_peer: str, manifest: DeltaManifest) -> dict[str, Any]:
         """Layout before fetching; then values and norms; then, if configured, the evaluation

@@ -3,6 +3,7 @@ nothing of them is fetched or merged; an honest delta is fetched, checked and ac
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -193,9 +194,10 @@ def test_delta_against_wrong_base_or_with_nan_refused(tmp_path, coordinator):
 
 
 def test_a_delta_whose_blobs_could_not_be_fetched_is_taken_again_when_reannounced(
-    tmp_path, coordinator
+    tmp_path, coordinator, caplog
 ):
     c = coordinator
+    caplog.set_level(logging.INFO, logger="coordinator.service")
     base = c.current_base()
     key, store, peer = _peer(tmp_path, "dave", c.config.topic)
     try:
@@ -209,9 +211,20 @@ def test_a_delta_whose_blobs_could_not_be_fetched_is_taken_again_when_reannounce
         assert "attempt 3" in (record.reason or "")  # retried before giving up
         assert not any(c.blobs.has(sha) for sha in manifest.blobs)
 
-        # The node serves them now and announces again: fetched, checked, accepted.
+        # The node serves them now and announces again at once: within the cooldown, so the
+        # coordinator does not fetch again yet.
         for sha in manifest.blobs:
             peer.serve_blob(sha)
+        _announce(peer, signed)
+        deadline = time.monotonic() + 30
+        while "its fetch failed under" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "its fetch failed under" in caplog.text
+        assert _wait_record(c, signed.manifest_id).rejection_kind == "fetch"
+        assert not any(c.blobs.has(sha) for sha in manifest.blobs)
+
+        # Once the cooldown has passed, an announcement is fetched, checked and accepted.
+        c.fetch_retry_cooldown_s = 0.0
         _announce(peer, signed)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
