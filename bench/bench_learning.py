@@ -167,6 +167,18 @@ def print_table(outcomes: list[DomainOutcome], eval_tasks: int) -> None:
         )
 
 
+def _with_overrides(recipe: RLConfig, args: argparse.Namespace) -> RLConfig:
+    """`recipe` with the settings given on the command line in place of its own, validated."""
+    settings = recipe.model_dump()
+    if args.temperature is not None:
+        settings["temperature"] = args.temperature
+    if args.learning_rate is not None:
+        settings["learning_rate"] = args.learning_rate
+    if args.kl_coef is not None:
+        settings["loss"]["kl_coef"] = args.kl_coef
+    return RLConfig.model_validate(settings)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base", type=Path, help="a model folder (default: build the base)")
@@ -176,11 +188,17 @@ def main() -> int:
     parser.add_argument("--eval-seed", type=int, default=0)
     parser.add_argument("--min-gain", type=float, default=15.0, help="points each domain must gain")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (all domains)")
+    parser.add_argument("--learning-rate", type=float, help="RL learning rate (all domains)")
+    parser.add_argument("--kl-coef", type=float, help="KL-to-base coefficient (all domains)")
     args = parser.parse_args()
     if args.eval_tasks < 1 or args.minutes <= 0:
         parser.error("--eval-tasks and --minutes must be positive")
     domains = [domain.strip() for domain in args.domains.split(",") if domain.strip()]
-    recipes = {domain: recipe_for(domain) for domain in domains}
+    try:
+        recipes = {domain: _with_overrides(recipe_for(domain), args) for domain in domains}
+    except ValueError as error:  # pydantic's ValidationError names the bad setting
+        parser.error(str(error))
     set_torch_threads(1)
 
     base: Path = args.base
