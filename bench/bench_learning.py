@@ -3,12 +3,12 @@ before, RL with the domain's recipe (`node.recipes`) for a wall-clock budget, gr
 success after on the same tasks, and the gain in points. Exits 1 when any gain is below the bar.
 
 Run: `python bench/bench_learning.py [--minutes 10] [--domains math,code,search] [--base PATH]
-[--eval-tasks 128] [--min-gain 15] [--json results.json]`. Without --base it builds the embedded
-base warm-started on the benchmarked domains (`create_base_checkpoint`, default settings) and
-times that too. Domains run one after another from the same base, each with one torch thread per
-pipeline thread (rollout producers and trainer), so a run uses the machine's two cores. Beside
-each wall time the table gives the process's CPU minutes and the load average before/after:
-other work on the machine leaves a run fewer steps in the same budget.
+[--eval-tasks 128] [--min-gain 15] [--json results.json]`. Without --base it builds the default
+base as `skillswarm bootstrap` does (math, code and search, MULTI_DOMAIN_WARM_START_STEPS, the
+machine's cores) and times that too. Domains run one after another from the same base, each with
+one torch thread per pipeline thread (rollout producers and trainer), so a run uses the machine's
+two cores. Beside each wall time the table gives the process's CPU minutes and the load average
+before/after: other work on the machine leaves a run fewer steps in the same budget.
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from node.envs import get_environment, list_environments
 from node.evaluate import EvalResult, evaluate_checkpoint
-from node.model import create_base_checkpoint, load_policy, set_torch_threads
+from node.model import (
+    MULTI_DOMAIN_WARM_START_STEPS,
+    build_threads,
+    create_base_checkpoint,
+    load_policy,
+    set_torch_threads,
+)
 from node.pipeline import AsyncRLRun, RLConfig
 from node.recipes import recipe_for
 
@@ -167,6 +173,11 @@ def print_table(outcomes: list[DomainOutcome], eval_tasks: int) -> None:
         )
 
 
+# What `skillswarm bootstrap` warm-starts the default base on, in its order (the order of the
+# demonstrations in each batch and in the tokenizer's corpus shapes the base).
+BOOTSTRAP_DOMAINS = ("math", "code", "search")
+
+
 def _with_overrides(recipe: RLConfig, args: argparse.Namespace) -> RLConfig:
     """`recipe` with the settings given on the command line in place of its own, validated."""
     settings = recipe.model_dump()
@@ -204,10 +215,20 @@ def main() -> int:
     base: Path = args.base
     base_timing: dict[str, float] | None = None
     if base is None:
-        print(f"building the base on {', '.join(domains)} (load {load_average():.1f})…", flush=True)
+        print(
+            f"building the default base ({MULTI_DOMAIN_WARM_START_STEPS} warm-start steps on "
+            f"{', '.join(BOOTSTRAP_DOMAINS)}; load {load_average():.1f})…",
+            flush=True,
+        )
         started, cpu_started = time.perf_counter(), time.process_time()
         folder = Path(tempfile.mkdtemp(prefix="bench-learning-")) / "base"
-        base = create_base_checkpoint(folder, domains=domains)
+        base = create_base_checkpoint(
+            folder,
+            warm_start_steps=MULTI_DOMAIN_WARM_START_STEPS,
+            domains=BOOTSTRAP_DOMAINS,
+            num_threads=build_threads(),
+        )
+        set_torch_threads(1)  # the RL runs take one thread per pipeline thread
         base_timing = {
             "minutes": (time.perf_counter() - started) / 60,
             "cpu_minutes": (time.process_time() - cpu_started) / 60,
