@@ -383,19 +383,19 @@ def _aligned_cache(
     prompts: Sequence[Sequence[int]],
     sources: Sequence[tuple[int, tuple[KVSegment, ...]]],
     split: int,
+    starts: Sequence[int],
     layer_count: int,
     room: int,
 ) -> tuple[BufferedCache, int]:
     """A cache of every row's tokens from `split` on (those before are the shared prefix, held
-    apart), rows right-aligned, and how many trailing columns the model still has to run: the
-    most tokens any row lacks keys for. `sources[i]` says how many leading tokens of prompt i
-    have keys, and where they are; the columns before the run are copied from them (a row runs
-    some known tokens again rather than leave a gap)."""
+    apart), row i right-aligned from column `starts[i]`, and how many trailing columns the model
+    still has to run: the most tokens any row lacks keys for. `sources[i]` says how many leading
+    tokens of prompt i have keys, and where they are; the columns before the run are copied from
+    them (a row runs some known tokens again rather than leave a gap)."""
     run = max(len(prompt) - count for prompt, (count, _) in zip(prompts, sources, strict=True))
-    width = max(len(prompt) for prompt in prompts) - split
+    width = starts[0] + len(prompts[0]) - split
     copied = width - run
     cache = BufferedCache(layer_count, len(prompts), width + room)
-    starts = [width - (len(prompt) - split) for prompt in prompts]  # each row's first column
     for row, (prompt, (_, segments)) in enumerate(zip(prompts, sources, strict=True)):
         column = starts[row]
         for piece in kv_span(segments, split, len(prompt) - run):
@@ -494,9 +494,9 @@ def sample_continuations(
     prefix_kwargs = {"shared_prefix": shared} if apart else {}
     room = min(max(max_new_tokens), GROWTH_TOKENS)
     sources = _row_sources(cached, shared, shared_length)
-    cache, run = _aligned_cache(prompts, sources, split, layer_count, room)
     width = max(len(prompt) for prompt in prompts) - split
     starts = [width - (len(prompt) - split) for prompt in prompts]  # each row's first column
+    cache, run = _aligned_cache(prompts, sources, split, starts, layer_count, room)
     input_ids, position_ids = _prefill_inputs(prompts, split, run, pad_token_id)
     columns = torch.arange(width + max(max_new_tokens), device=device)
     attention_mask = (columns >= torch.tensor(starts, device=device).unsqueeze(-1)).long()
