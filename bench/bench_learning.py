@@ -4,11 +4,13 @@ success after on the same tasks, and the gain in points. Exits 1 when any gain i
 
 Run: `python bench/bench_learning.py [--minutes 10] [--domains math,code,search] [--base PATH]
 [--eval-tasks 128] [--min-gain 15] [--json results.json]`. Without --base it builds the default
-base as `skillswarm bootstrap` does (math, code and search, MULTI_DOMAIN_WARM_START_STEPS, the
-machine's cores) and times that too. Domains run one after another from the same base, each with
-one torch thread per pipeline thread (rollout producers and trainer), so a run uses the machine's
-two cores. Beside each wall time the table gives the process's CPU minutes and the load average
-before/after: other work on the machine leaves a run fewer steps in the same budget.
+base as `skillswarm bootstrap` does (math, code and search, MULTI_DOMAIN_WARM_START_STEPS and
+DEFAULT_DOMAIN_WEIGHTS, the machine's cores) and times that too. Domains run one after another
+from the same base, each with one torch thread per pipeline thread (rollout producers and
+trainer), so a run uses the machine's two cores. Held-out success is also reported sampled at the
+recipe's temperature (one episode per task), the policy RL trains. Beside each wall time
+the table gives the process's CPU minutes and the load average before/after: other work on the
+machine leaves a run fewer steps in the same budget.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from node.envs import get_environment, list_environments
 from node.evaluate import EvalResult, evaluate_checkpoint
 from node.model import (
+    DEFAULT_DOMAIN_WEIGHTS,
     MULTI_DOMAIN_WARM_START_STEPS,
     build_threads,
     create_base_checkpoint,
@@ -50,6 +53,8 @@ class DomainOutcome:
     cpu_minutes: float
     before: float
     after: float
+    sampled_before: float
+    sampled_after: float
     train_success_first: float
     train_success_last: float
     load_before: float
@@ -95,10 +100,20 @@ class WallClockBudget:
 
 
 def evaluate(
-    policy: tuple[PreTrainedModel, PreTrainedTokenizerBase], domain: str, n_tasks: int, seed: int
+    policy: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+    domain: str,
+    n_tasks: int,
+    seed: int,
+    temperature: float | None = None,
 ) -> EvalResult:
-    """Greedy success on `n_tasks` held-out tasks drawn with `seed` (the same tasks each call)."""
-    return evaluate_checkpoint(policy, domain, n_tasks=n_tasks, seed=seed, greedy=True)
+    """Success on `n_tasks` held-out tasks drawn with `seed` (the same tasks each call): greedy,
+    or one episode each sampled at `temperature`. Sampling is seeded, yet two runs of the same
+    policy can differ by a few tasks (search at T 0.7 from one base: 32.0% and 34.4%)."""
+    if temperature is None:
+        return evaluate_checkpoint(policy, domain, n_tasks=n_tasks, seed=seed, greedy=True)
+    return evaluate_checkpoint(
+        policy, domain, n_tasks=n_tasks, seed=seed, greedy=False, temperature=temperature
+    )
 
 
 def train_for(
@@ -115,7 +130,12 @@ def train_for(
     time are spent, with held-out success measured on the same tasks before and after."""
     model, tokenizer = load_policy(base)
     before = evaluate((model, tokenizer), domain, eval_tasks, eval_seed)
-    print(f"{domain}: held-out success before {before.success_rate:.1%}", flush=True)
+    sampled_before = evaluate((model, tokenizer), domain, eval_tasks, eval_seed, config.temperature)
+    print(
+        f"{domain}: held-out success before {before.success_rate:.1%} greedy, "
+        f"{sampled_before.success_rate:.1%} sampled at T={config.temperature:g}",
+        flush=True,
+    )
     budget = WallClockBudget(seconds)
 
     def on_step(metrics: dict[str, float]) -> None:
@@ -142,6 +162,7 @@ def train_for(
     load_after = load_average()
     model.eval()
     after = evaluate((model, tokenizer), domain, eval_tasks, eval_seed)
+    sampled_after = evaluate((model, tokenizer), domain, eval_tasks, eval_seed, config.temperature)
     successes = [m["success_rate"] for m in budget.history]
     window = max(1, len(successes) // 10)
     return DomainOutcome(
@@ -151,6 +172,8 @@ def train_for(
         cpu_minutes=cpu_minutes,
         before=before.success_rate,
         after=after.success_rate,
+        sampled_before=sampled_before.success_rate,
+        sampled_after=sampled_after.success_rate,
         train_success_first=_mean(successes[:window]),
         train_success_last=_mean(successes[-window:]),
         load_before=load_before,
@@ -159,15 +182,19 @@ def train_for(
 
 
 def print_table(outcomes: list[DomainOutcome], eval_tasks: int) -> None:
-    print(f"\nheld-out success: greedy, {eval_tasks} tasks, the same tasks before and after")
+    print(
+        f"\nheld-out success on {eval_tasks} tasks, the same before and after: greedy (the gain), "
+        "and one episode each sampled at the recipe's temperature"
+    )
     print(
         f"{'domain':<8} {'steps':>6} {'minutes':>8} {'cpu min':>8} {'before':>7} {'after':>7} "
-        f"{'gain':>7}  {'train success':>15}  {'load':>9}"
+        f"{'gain':>7}  {'sampled':>15}  {'train success':>15}  {'load':>9}"
     )
     for o in outcomes:
         print(
             f"{o.domain:<8} {o.steps:>6} {o.minutes:>8.2f} {o.cpu_minutes:>8.2f} "
             f"{o.before:>7.1%} {o.after:>7.1%} {o.gain_points:>+6.1f}p  "
+            f"{o.sampled_before:>6.1%} -> {o.sampled_after:<6.1%}  "
             f"{o.train_success_first:>6.3f} -> {o.train_success_last:<5.3f}  "
             f"{o.load_before:>4.1f}/{o.load_after:<4.1f}"
         )
@@ -187,6 +214,8 @@ def _with_overrides(recipe: RLConfig, args: argparse.Namespace) -> RLConfig:
         settings["learning_rate"] = args.learning_rate
     if args.kl_coef is not None:
         settings["loss"]["kl_coef"] = args.kl_coef
+    if args.mean_over is not None:
+        settings["loss"]["mean_over"] = args.mean_over
     return RLConfig.model_validate(settings)
 
 
@@ -202,6 +231,11 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, help="sampling temperature (all domains)")
     parser.add_argument("--learning-rate", type=float, help="RL learning rate (all domains)")
     parser.add_argument("--kl-coef", type=float, help="KL-to-base coefficient (all domains)")
+    parser.add_argument(
+        "--mean-over",
+        choices=("informative", "all"),
+        help="the loss mean's denominator: informative samples or all (all domains)",
+    )
     args = parser.parse_args()
     if args.eval_tasks < 1 or args.minutes <= 0:
         parser.error("--eval-tasks and --minutes must be positive")
@@ -227,6 +261,7 @@ def main() -> int:
             warm_start_steps=MULTI_DOMAIN_WARM_START_STEPS,
             domains=BOOTSTRAP_DOMAINS,
             num_threads=build_threads(),
+            domain_weights=DEFAULT_DOMAIN_WEIGHTS,
         )
         set_torch_threads(1)  # the RL runs take one thread per pipeline thread
         base_timing = {

@@ -53,6 +53,12 @@ class LossConfig(BaseModel):
     kl_coef: float = Field(default=0.0, ge=0, description="weight of KL(π_θ‖π_ref); 0 is off")
     kl_estimator: Literal["k3"] = "k3"
     aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
+    mean_over: Literal["informative", "all"] = Field(
+        default="informative",
+        description="the mean's denominator: the tokens (or sequences) of the samples with a "
+        "non-zero advantage, or of every sample in the update, so that an update learned from "
+        "few informative groups is a smaller step",
+    )
     turn_discount: float = Field(default=1.0, gt=0, le=1, description="γ between turns")
     turn_reward_weight: float = Field(default=1.0, ge=0, description="w on turn-level rewards")
 

@@ -120,12 +120,23 @@ def supervised_warm_start(
     *,
     warmup_steps: int | None = None,
     max_grad_norm: float = 1.0,
+    weights: Sequence[float] | None = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Cross-entropy on the assistant tokens of solver demonstrations (training tasks only),
     with AdamW and a warm-up / stable / decay schedule (linear warm-up, constant `lr`, then a
-    linear decay to a tenth of it over the last fifth). Returns the loss per step."""
+    linear decay to a tenth of it over the last fifth). Returns the loss per step.
+
+    Each batch's slots go to the environments in turn; with `weights` (one per environment),
+    in proportion to them over the whole run (smooth weighted round robin). `on_step(step, loss)`
+    is called after each step (step counts from 1)."""
     if not envs:
         raise ValueError("supervised_warm_start needs at least one environment")
+    if weights is not None:
+        if len(weights) != len(envs):
+            raise ValueError(f"{len(weights)} weights for {len(envs)} environments")
+        if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"weights must be finite, not negative, and not all 0: {weights}")
     if steps <= 0:
         return []
     warmup = max(1, min(10, steps // 10)) if warmup_steps is None else warmup_steps
@@ -143,6 +154,17 @@ def supervised_warm_start(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     schemas = {id(env): env.tool_schemas() for env in envs}
     rng = random.Random(seed)
+    credit = [0.0] * len(envs)
+
+    def env_for(slot: int) -> Environment:
+        if weights is None:
+            return envs[slot % len(envs)]
+        for index, weight in enumerate(weights):
+            credit[index] += weight
+        chosen = max(range(len(envs)), key=lambda index: credit[index])
+        credit[chosen] -= sum(weights)
+        return envs[chosen]
+
     losses: list[float] = []
     was_training = model.training
     model.train()
@@ -150,7 +172,7 @@ def supervised_warm_start(
         for _ in range(steps):
             by_env: dict[int, list[ConversationTokens]] = {}
             for slot in range(batch_size):
-                env = envs[slot % len(envs)]
+                env = env_for(slot)
                 (task,) = env.tasks("train", 1, seed=rng.randrange(2**62))
                 by_env.setdefault(id(env), []).append(
                     tokenize_demonstration(tokenizer, env.solve(task), schemas[id(env)])
@@ -176,6 +198,8 @@ def supervised_warm_start(
             optimizer.step()
             schedule.step()
             losses.append(loss_sum)
+            if on_step is not None:
+                on_step(len(losses), loss_sum)
     finally:
         model.train(was_training)
     return losses
@@ -188,7 +212,7 @@ class PolicyGradientTrainer:
     importance-weighted surrogate of `node.loss` (clipped, truncated or masked ratios π_θ/μ, an
     optional KL penalty to a frozen reference). Samples whose every token has zero advantage
     (their group's returns all equal) are left out of the update; the token mean runs over the
-    loss tokens of the samples that remain.
+    loss tokens of the samples that remain, or of all samples with `mean_over="all"`.
     """
 
     def __init__(
@@ -258,7 +282,11 @@ class PolicyGradientTrainer:
         }
         if not rows:
             return metrics
-        total_tokens = sum(sample.num_sampled_tokens for sample, _, _ in rows)
+        trained_tokens = sum(sample.num_sampled_tokens for sample, _, _ in rows)
+        total_tokens, total_sequences = trained_tokens, len(rows)
+        if config.mean_over == "all":
+            total_tokens = sum(s.num_sampled_tokens for e in episodes for s in e.samples)
+            total_sequences = len(owners)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -298,7 +326,7 @@ class PolicyGradientTrainer:
                 config,
                 ref_logprobs=None if reference is None else reference.to(device),
                 total_tokens=total_tokens,
-                total_sequences=len(rows),
+                total_sequences=total_sequences,
             )
             loss.backward()
             loss_sum += float(loss.detach())
@@ -309,7 +337,7 @@ class PolicyGradientTrainer:
         combined = combine_loss_metrics(parts)
         metrics.update(
             loss=loss_sum,
-            trained_tokens=float(total_tokens),
+            trained_tokens=float(trained_tokens),
             grad_norm=grad_norm,
             **{key: combined[key] for key in LOSS_METRICS if key != "tokens" and key in combined},
         )

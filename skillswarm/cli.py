@@ -10,6 +10,14 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 import skillswarm
 
@@ -156,14 +164,43 @@ def env_try(
     out.print(summary_table(episodes))
 
 
+def parse_domain_weights(text: str, domains: list[str]) -> dict[str, float]:
+    """`"math=1.9,search=20"` -> {"math": 1.9, "search": 20.0}; every name must be in `domains`."""
+    weights: dict[str, float] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        try:
+            weight = float(value) if sep else float("nan")
+        except ValueError:
+            weight = float("nan")
+        if not name or not (weight >= 0) or weight == float("inf"):
+            raise typer.BadParameter(f"{item!r} is not DOMAIN=WEIGHT with a weight of 0 or more")
+        if name not in domains:
+            raise typer.BadParameter(f"{name!r} is not one of the domains: {', '.join(domains)}")
+        weights[name] = weight
+    if weights and not any(weights.get(domain, 1.0) > 0 for domain in domains):
+        raise typer.BadParameter("at least one domain needs a weight above 0")
+    return weights
+
+
 @app.command()
 def bootstrap(
     out: Annotated[Path, typer.Argument(help="folder for the base model")] = Path("runs/base"),
     steps: Annotated[
         int | None,
-        typer.Option(min=0, help="supervised warm-start steps [default: 350, the recommended]"),
+        typer.Option(min=0, help="supervised warm-start steps [default: the recommended budget]"),
     ] = None,
     domains: Annotated[str, typer.Option(help="comma-separated domains")] = "math,code,search",
+    weights: Annotated[
+        str | None,
+        typer.Option(
+            help="each domain's share of the demonstrations, e.g. math=1.9,code=0.25,search=20 "
+            "(unnamed: 1) [default: the recommended shares]"
+        ),
+    ] = None,
     seed: int = 0,
     eval_tasks: Annotated[int, typer.Option(min=0, help="held-out tasks per domain; 0: skip")] = 64,
     threads: Annotated[
@@ -173,20 +210,42 @@ def bootstrap(
     """Build the embedded base: tiny model and tokenizer, warm-started on solver demonstrations."""
     from node.envs import UnknownEnvironmentError
     from node.evaluate import evaluate_checkpoint
-    from node.model import MULTI_DOMAIN_WARM_START_STEPS, build_threads, create_base_checkpoint
+    from node.model import (
+        DEFAULT_DOMAIN_WEIGHTS,
+        MULTI_DOMAIN_WARM_START_STEPS,
+        build_threads,
+        create_base_checkpoint,
+    )
 
     chosen = [domain.strip() for domain in domains.split(",") if domain.strip()]
+    if weights is None:
+        shares = {d: w for d, w in DEFAULT_DOMAIN_WEIGHTS.items() if d in chosen}
+    else:
+        shares = parse_domain_weights(weights, chosen)
     if steps is None:
         steps = MULTI_DOMAIN_WARM_START_STEPS
     try:
-        console.print(f"building the base on {', '.join(chosen)} ({steps} warm-start steps)…")
-        path = create_base_checkpoint(
-            out,
-            seed=seed,
-            warm_start_steps=steps,
-            domains=chosen,
-            num_threads=threads or build_threads(),
-        )
+        described = ", ".join(f"{d} ×{shares.get(d, 1.0):g}" for d in chosen)
+        console.print(f"building the base on {described} ({steps} warm-start steps)…")
+        with Progress(
+            TextColumn("warm start"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        ) as progress:
+            bar = progress.add_task("warm start", total=steps, loss="-")
+            path = create_base_checkpoint(
+                out,
+                seed=seed,
+                warm_start_steps=steps,
+                domains=chosen,
+                num_threads=threads or build_threads(),
+                domain_weights=shares,
+                on_step=lambda step, loss: progress.update(bar, completed=step, loss=f"{loss:.3f}"),
+            )
     except UnknownEnvironmentError as exc:
         _fail(exc)
         return

@@ -28,7 +28,7 @@ from rich.table import Table
 from coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
 from merge.methods import MergeSpec
 from node.config import NodeConfig
-from node.model import MULTI_DOMAIN_WARM_START_STEPS
+from node.model import DEMO_WARM_START_STEPS
 from node.pipeline import RLConfig
 from protocol.tomlconfig import write_toml_config
 
@@ -128,7 +128,7 @@ def demo_settings(quick: bool, steps: int | None, eval_tasks: int | None) -> Dem
     if quick:
         return DemoSettings(100, 200, steps or 2, 4, 4, eval_tasks or 6, 2, candidates)
     return DemoSettings(
-        MULTI_DOMAIN_WARM_START_STEPS, None, steps or 10, 8, 4, eval_tasks or 32, 2, candidates
+        DEMO_WARM_START_STEPS, None, steps or 10, 8, 4, eval_tasks or 32, 2, candidates
     )
 
 

@@ -83,3 +83,44 @@ def test_env_try_with_a_model_folder(tiny_base):
     assert tried.stdout.count("episode ") == 2 and "summary" in tried.stdout
     missing = _cli("env", "try", "math", "--model", "/nonexistent/model")
     assert missing.returncode == 1 and "config.json" in missing.stderr
+
+
+def test_bootstrap_shares_demonstrations_by_weight_and_refuses_bad_weights(tmp_path: Path):
+    import json
+
+    out = tmp_path / "base"
+    built = _cli(
+        "bootstrap", str(out), "--steps", "2", "--domains", "math,code",
+        "--weights", "math=2.5, code=1", "--eval-tasks", "0", "--threads", "1",
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.strip().endswith(str(out))
+    assert "math ×2.5, code ×1" in built.stderr
+    provenance = json.loads((out / "skillswarm_base.json").read_text())
+    assert provenance["domain_weights"] == [2.5, 1.0]
+    assert provenance["warm_start_steps"] == 2
+    refused = _cli("bootstrap", str(tmp_path / "no"), "--domains", "math", "--weights", "code=3")
+    assert refused.returncode == 2, refused.stderr
+    assert "'code' is not one of the domains" in refused.stderr
+    assert not (tmp_path / "no").exists()
+
+
+def test_domain_weights_are_parsed_and_checked():
+    import typer
+
+    from skillswarm.cli import parse_domain_weights
+
+    domains = ["math", "code", "search"]
+    assert parse_domain_weights("math=1.9, search=20,", domains) == {"math": 1.9, "search": 20.0}
+    assert parse_domain_weights("", domains) == {}
+    assert parse_domain_weights("math=0,code=0", domains) == {"math": 0.0, "code": 0.0}
+    for weights, message in [
+        ("search=3", "'search' is not one of the domains"),
+        ("math=-1", "is not DOMAIN=WEIGHT"),
+        ("math=inf", "is not DOMAIN=WEIGHT"),
+        ("math", "is not DOMAIN=WEIGHT"),
+        ("=2", "is not DOMAIN=WEIGHT"),
+        ("math=0,code=0", "at least one domain"),
+    ]:
+        with pytest.raises(typer.BadParameter, match=message):
+            parse_domain_weights(weights, ["math", "code"])

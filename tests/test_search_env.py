@@ -115,10 +115,42 @@ def test_solver_trajectories_score_full_reward_on_heldout(
                 # the reader's sentence names the entity the next step goes on with
                 hop = (tool_turns - 1) // 2
                 assert task.metadata["entities"][hop + 1] in results[0].content
-        assert tool_turns == 2 * env.hops
-        assert turn_credit == pytest.approx(env.search_credit * env.hops)
+        hops = len(task.metadata["relations"])
+        assert tool_turns == 2 * hops
+        assert turn_credit == pytest.approx(env.search_credit * hops)
         solved += env.reward(task, env.final_answer(final_text)) == 1.0
     assert solved >= 0.99 * len(tasks)
+
+
+def test_default_tasks_mix_one_and_two_hops_in_equal_shares(env: SearchEnvironment) -> None:
+    assert env.hop_counts == (1, 2)
+    assert env.max_turns == 2 * 2 + 3
+    for split in ("train", "heldout"):
+        tasks = env.tasks(split, 200, seed=3)
+        counts = {h: sum(len(t.metadata["relations"]) == h for t in tasks) for h in (1, 2)}
+        assert counts[1] + counts[2] == 200
+        assert 70 <= counts[1] <= 130, counts
+        for task in tasks:  # the question's shape matches its hop count
+            relations = task.metadata["relations"]
+            assert task.prompt == compose_question(relations, task.metadata["entities"][0])
+    # one-hop questions are asked of every relation, and the same seed gives the same tasks
+    one_hop = {
+        t.metadata["family"] for t in env.tasks("train", 300) if ">" not in t.metadata["family"]
+    }
+    assert one_hop == set(RELATION_QUESTIONS)
+    assert [t.id for t in env.tasks("train", 50, seed=9)] == [
+        t.id for t in SearchEnvironment().tasks("train", 50, seed=9)
+    ]
+
+
+def test_a_single_hop_count_keeps_its_task_order() -> None:
+    """`hops=2` and `hops=(2,)` are the same environment, drawing the same tasks."""
+    two = SearchEnvironment(hops=2)
+    assert two.hop_counts == (2,) and two.max_turns == 7
+    assert [t.id for t in two.tasks("heldout", 40, seed=1)] == [
+        t.id for t in SearchEnvironment(hops=(2,)).tasks("heldout", 40, seed=1)
+    ]
+    assert all(len(t.metadata["relations"]) == 2 for t in two.tasks("heldout", 40, seed=1))
 
 
 @pytest.mark.parametrize("hops", [1, 3])
@@ -139,7 +171,7 @@ def test_solver_uses_the_configured_readers_output() -> None:
     env = SearchEnvironment(reader=reader)
     task = env.tasks("train", 1)[0]
     asks = [m for m in env.solve(task) if m["role"] == "tool" and m["name"] == "ask"]
-    assert [m["content"] for m in asks] == ["Orlu Vance"] * env.hops
+    assert [m["content"] for m in asks] == ["Orlu Vance"] * len(task.metadata["relations"])
     assert env.tool_timeout_s > 10.0
 
 
@@ -324,8 +356,9 @@ def test_questions_file_tasks_have_rewards_but_no_solver(tmp_path: Path) -> None
         SearchEnvironment(corpus_file=corpus_file)
     with pytest.raises(ValueError, match="not both"):
         SearchEnvironment(corpus=env.corpus, corpus_file=corpus_file)
-    with pytest.raises(ValueError, match="hops"):
-        SearchEnvironment(hops=4)
+    for hops in (4, 0, (), (1, 4), (True,), (1.5,)):
+        with pytest.raises(ValueError, match="hops must be from 1 to 3"):
+            SearchEnvironment(hops=hops)  # type: ignore[arg-type]
 
 
 # ---- rewards and tools -------------------------------------------------------------------------

@@ -155,6 +155,57 @@ def test_warm_start_on_several_environments_takes_the_whole_batch_token_mean(
         assert torch.allclose(grad, want, rtol=1e-4, atol=1e-6)
 
 
+def test_warm_start_weights_share_the_demonstrations_in_proportion(
+    tokenizer, env: MathEnvironment
+) -> None:
+    """Weights 1:3 over two environments give them a quarter and three quarters of all the
+    slots over the run (exactly, whatever the batch size), and `on_step` sees every step."""
+    from node.envs.math import MathEnvironment as Math
+
+    class Counting(Math):
+        def __init__(self) -> None:
+            super().__init__()
+            self.solved = 0
+
+        def solve(self, task):
+            self.solved += 1
+            return super().solve(task)
+
+    light, heavy = Counting(), Counting()
+    seen: list[tuple[int, float]] = []
+    model = build_tiny_model(tokenizer, seed=0)
+    losses = supervised_warm_start(
+        model,
+        tokenizer,
+        [light, heavy],
+        steps=6,
+        batch_size=6,
+        lr=1e-3,
+        seed=0,
+        weights=[1.0, 3.0],
+        on_step=lambda step, loss: seen.append((step, loss)),
+    )
+    assert (light.solved, heavy.solved) == (9, 27)
+    assert seen == list(enumerate(losses, start=1))
+    zero = Counting()
+    supervised_warm_start(
+        model, tokenizer, [zero, light], steps=2, batch_size=4, lr=1e-3, seed=0, weights=[0, 1]
+    )
+    assert zero.solved == 0
+    for bad in ([1.0], [0.0, 0.0], [-1.0, 2.0], [float("nan"), 1.0]):
+        with pytest.raises(ValueError, match="weights"):
+            supervised_warm_start(
+                model,
+                tokenizer,
+                [light, heavy],
+                steps=1,
+                batch_size=2,
+                lr=1e-3,
+                seed=0,
+                weights=bad,
+            )
+
+
 def _episode(task_id: str, reward: float) -> Episode:
     episode = Episode(task=Task(task_id, "p", "1"), sample_index=0, messages=[], temperature=1.0)
     episode.reward = reward
@@ -232,6 +283,38 @@ def test_step_without_reward_variance_is_skipped(tokenizer, env: MathEnvironment
     metrics = trainer.step(episodes)
     assert metrics["skipped"] == 1.0 and trainer.updates == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_mean_over_all_samples_scales_the_update_by_the_informative_share(
+    tokenizer, env: MathEnvironment
+) -> None:
+    """With `mean_over="all"` the token mean's denominator counts the samples of groups that all
+    scored the same too: on on-policy data (ratio 1) the loss is the informative-only loss times
+    informative tokens / all tokens, and the gradient shrinks by the same factor."""
+    model = build_tiny_model(tokenizer, seed=1)
+    episodes = play_episodes(
+        model, tokenizer, env, env.tasks("train", 3), samples_per_task=2, seed=0, max_new_tokens=8
+    )
+    for index, episode in enumerate(episodes):  # only the first task's group differs
+        episode.reward = 1.0 if index == 0 else 0.0
+    informative = episodes[0].num_sampled_tokens + episodes[1].num_sampled_tokens
+    everything = sum(e.num_sampled_tokens for e in episodes)
+    results = {}
+    for mean_over in ("informative", "all"):
+        fresh = build_tiny_model(tokenizer, seed=1)
+        trainer = PolicyGradientTrainer(
+            fresh, tokenizer, loss=LossConfig(mean_over=mean_over), max_grad_norm=1e9
+        )
+        results[mean_over] = trainer.step(episodes)
+        assert results[mean_over]["trained_tokens"] == informative
+        assert results[mean_over]["trained_episodes"] == 2
+    assert everything > informative
+    assert results["all"]["loss"] == pytest.approx(
+        results["informative"]["loss"] * informative / everything, rel=1e-5, abs=1e-9
+    )
+    assert results["all"]["grad_norm"] == pytest.approx(
+        results["informative"]["grad_norm"] * informative / everything, rel=1e-4
+    )
 
 
 def test_train_rl_reports_each_step(tokenizer, env: MathEnvironment) -> None:

@@ -54,6 +54,9 @@ MAX_QUESTION_CHARS = 500
 MAX_READER_ANSWER_CHARS = 300
 DEFAULT_SEARCH_CREDIT = 0.1
 MAX_HOPS = 3
+# Default question lengths, drawn in equal shares: one-hop questions (search, ask, answer) are what
+# a small base first learns to solve, and give multi-hop training its first rewards.
+DEFAULT_HOPS: tuple[int, ...] = (1, 2)
 QUESTIONS_FILE_FAMILY = "questions_file"
 # One search result a line: "[doc_id] title: snippet"; turn rewards read the ids back from it.
 _RESULT_LINE_PATTERN = re.compile(r"^\[([^\]\s]+)\] ", re.MULTILINE)
@@ -281,9 +284,10 @@ class SearchEnvironment(Environment):
     `corpus` or `corpus_file` (JSONL, see `load_jsonl_corpus`) replaces the default generated
     corpus (`generate_linked_corpus(seed)`). Tasks come from `questions_file` (JSONL, see
     `load_jsonl_questions`) when given; otherwise the corpus must be a LinkedCorpus and questions
-    of `hops` hops are generated from its facts. `reader` answers `ask` (ExtractiveReader by
-    default; a ChatReader puts a model behind it). Each search whose results first show a
-    document the task needs earns `search_credit` as a turn reward."""
+    of `hops` hops are generated from its facts: one count, or several drawn in equal shares.
+    `reader` answers `ask` (ExtractiveReader by default; a ChatReader puts a model behind it).
+    Each search whose results first show a document the task needs earns `search_credit` as a
+    turn reward."""
 
     name = "search"
     system_prompt = (
@@ -300,7 +304,7 @@ class SearchEnvironment(Environment):
         reader: DocumentReader | None = None,
         top_k: int = 3,
         seed: int = 0,
-        hops: int = 2,
+        hops: int | Sequence[int] = DEFAULT_HOPS,
         max_turns: int | None = None,
         search_credit: float = DEFAULT_SEARCH_CREDIT,
         tool_timeout_s: float | None = None,
@@ -309,8 +313,12 @@ class SearchEnvironment(Environment):
             raise ValueError("pass either corpus or corpus_file, not both")
         if not 1 <= top_k <= 20:
             raise ValueError(f"top_k must be from 1 to 20, got {top_k}")
-        if not 1 <= hops <= MAX_HOPS:
-            raise ValueError(f"hops must be from 1 to {MAX_HOPS}, got {hops}")
+        hop_counts = (hops,) if isinstance(hops, int) else tuple(hops)
+        if not hop_counts or any(
+            isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= MAX_HOPS
+            for h in hop_counts
+        ):
+            raise ValueError(f"hops must be from 1 to {MAX_HOPS} (one or several), got {hops!r}")
         if search_credit < 0:
             raise ValueError(f"search_credit must not be negative, got {search_credit}")
         if corpus_file is not None:
@@ -326,8 +334,9 @@ class SearchEnvironment(Environment):
             )
         self.reader: DocumentReader = reader if reader is not None else ExtractiveReader()
         self.top_k = top_k
-        self.hops = hops
-        self.max_turns = 2 * hops + 3 if max_turns is None else max_turns
+        self.hop_counts: tuple[int, ...] = tuple(sorted(set(hop_counts)))
+        self.hops = max(self.hop_counts)
+        self.max_turns = 2 * self.hops + 3 if max_turns is None else max_turns
         if self.max_turns < 2:
             raise ValueError("max_turns must be at least 2: one tool turn and one answer turn")
         self.search_credit = search_credit
@@ -389,7 +398,7 @@ class SearchEnvironment(Environment):
         assert isinstance(corpus, LinkedCorpus)
         families: dict[str, list[Task]] = {}
         for start in corpus.entities:
-            for relations in _chains(corpus, start, self.hops):
+            for relations in (p for h in self.hop_counts for p in _chains(corpus, start, h)):
                 question = compose_question(relations, start.name)
                 if split_of_text(question, HELDOUT_FRACTION) != split:
                     continue
@@ -413,6 +422,9 @@ class SearchEnvironment(Environment):
                 families.setdefault(family, []).append(task)
         return [families[family] for family in sorted(families)]
 
+    def _hops_label(self) -> str:
+        return ",".join(str(h) for h in self.hop_counts)
+
     def _questions_pool(self, split: Split) -> list[Task]:
         assert self.questions is not None
         return [
@@ -430,10 +442,11 @@ class SearchEnvironment(Environment):
         ]
 
     def tasks(self, split: Split, n: int, seed: int = 0) -> list[Task]:
-        """`n` distinct tasks of `split`. Generated tasks are drawn family by family (a family
-        picked uniformly among those with tasks left), so every question shape appears."""
+        """`n` distinct tasks of `split`. Generated tasks are drawn family by family (a hop count
+        picked uniformly among those with tasks left, then a family of that many hops), so every
+        question shape appears and each hop count gets an equal share."""
         check_split(split)
-        rng = random.Random(f"search/{split}/{seed}/{self.hops}")
+        rng = random.Random(f"search/{split}/{seed}/{self._hops_label()}")
         if self.questions is not None:
             pool = self._questions_pool(split)
             if n > len(pool):
@@ -441,15 +454,19 @@ class SearchEnvironment(Environment):
             return rng.sample(pool, n)
         if split not in self._task_pools:
             self._task_pools[split] = self._generated_pool(split)
-        families = [rng.sample(tasks, len(tasks)) for tasks in self._task_pools[split]]
-        available = sum(len(tasks) for tasks in families)
+        by_hops: dict[int, list[list[Task]]] = {}
+        for tasks in self._task_pools[split]:
+            hops = len(tasks[0].metadata["relations"])
+            by_hops.setdefault(hops, []).append(rng.sample(tasks, len(tasks)))
+        available = sum(len(tasks) for families in by_hops.values() for tasks in families)
         if n > available:
             raise ValueError(
-                f"the corpus yields {available} {split} tasks of {self.hops} hops, not {n}"
+                f"the corpus yields {available} {split} tasks of {self._hops_label()} hops, not {n}"
             )
         chosen: list[Task] = []
         while len(chosen) < n:
-            family = rng.choice([tasks for tasks in families if tasks])
+            hops = rng.choice([h for h in sorted(by_hops) if any(by_hops[h])])
+            family = rng.choice([tasks for tasks in by_hops[hops] if tasks])
             chosen.append(family.pop())
         return chosen
 
