@@ -297,6 +297,7 @@ def test_config_defaults() -> None:
         "kl_coef": 0.0,
         "kl_estimator": "k3",
         "aggregation": "token_mean",
+        "mean_over": "informative",
         "turn_discount": 1.0,
         "turn_reward_weight": 1.0,
     }

@@ -43,7 +43,7 @@ def test_ask_runs_a_served_model_on_one_document_and_returns_only_its_answer(tok
     served = RecordingReaderModel(LocalModelChatBackend(model, tokenizer))
     with running_server(create_app(served, "reader")) as base_url:
         client = OpenAIChatBackend(base_url, "reader", timeout_s=60)
-        env = SearchEnvironment(reader=ChatReader(client, max_tokens=12))
+        env = SearchEnvironment(reader=ChatReader(client, max_tokens=12), hops=2)
         tasks = env.tasks("heldout", 2, seed=5)
         engine = RolloutEngine(SolverBackend(env, tokenizer), env, max_new_tokens=1000)
         episodes = engine.play(tasks, seed=0)
