@@ -109,10 +109,13 @@ def evaluate(
     """Success on `n_tasks` held-out tasks drawn with `seed` (the same tasks each call): greedy,
     or one episode each sampled at `temperature`. Sampling is seeded, yet two runs of the same
     policy can differ by a few tasks (search at T 0.7 from one base: 32.0% and 34.4%)."""
-    if temperature is None:
-        return evaluate_checkpoint(policy, domain, n_tasks=n_tasks, seed=seed, greedy=True)
     return evaluate_checkpoint(
-        policy, domain, n_tasks=n_tasks, seed=seed, greedy=False, temperature=temperature
+        policy,
+        domain,
+        n_tasks=n_tasks,
+        seed=seed,
+        greedy=temperature is None,
+        temperature=temperature or 1.0,
     )
 
 

@@ -267,17 +267,18 @@ def create_base_checkpoint(
     and save a Hugging Face folder at `out_dir`. `domain_weights` sets each domain's share of the
     demonstrations (a domain not named weighs 1; None: equal shares). The same seed and thread
     count give the same checkpoint."""
-    from node.train import supervised_warm_start
+    from node.train import check_mix_weights, supervised_warm_start
 
-    if num_threads is not None:
-        set_torch_threads(num_threads)
-    environments = [get_environment(domain) for domain in domains]
     weights = None
-    if domain_weights is not None:
+    if domain_weights is not None:  # checked before the minutes of tokenizer and warm start
         unknown = sorted(set(domain_weights) - set(domains))
         if unknown:
             raise ValueError(f"weights name domains not being trained: {', '.join(unknown)}")
         weights = [float(domain_weights.get(domain, 1.0)) for domain in domains]
+        check_mix_weights(weights, len(domains))
+    if num_threads is not None:
+        set_torch_threads(num_threads)
+    environments = [get_environment(domain) for domain in domains]
     template_only = build_tokenizer(TEMPLATE_FIXED_STRINGS)
     corpus = list(TEMPLATE_FIXED_STRINGS)
     corpus += render_demonstrations(template_only, environments, tokenizer_corpus_tasks, seed)

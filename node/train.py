@@ -109,6 +109,14 @@ def token_logprobs(
     return torch.nn.functional.pad(picked, (start, 0))
 
 
+def check_mix_weights(weights: Sequence[float], count: int) -> None:
+    """Raise ValueError unless `weights` are `count` finite, non-negative shares, not all 0."""
+    if len(weights) != count:
+        raise ValueError(f"{len(weights)} weights for {count} environments")
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be finite, not negative, and not all 0: {list(weights)}")
+
+
 def supervised_warm_start(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -133,10 +141,7 @@ def supervised_warm_start(
     if not envs:
         raise ValueError("supervised_warm_start needs at least one environment")
     if weights is not None:
-        if len(weights) != len(envs):
-            raise ValueError(f"{len(weights)} weights for {len(envs)} environments")
-        if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"weights must be finite, not negative, and not all 0: {weights}")
+        check_mix_weights(weights, len(envs))
     if steps <= 0:
         return []
     warmup = max(1, min(10, steps // 10)) if warmup_steps is None else warmup_steps

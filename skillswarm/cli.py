@@ -170,13 +170,13 @@ def parse_domain_weights(text: str, domains: list[str]) -> dict[str, float]:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        name, sep, value = item.partition("=")
+        name, _, value = item.partition("=")
         name = name.strip()
         try:
-            weight = float(value) if sep else float("nan")
+            weight = float(value)  # "" (no "=") is a ValueError too
         except ValueError:
-            weight = float("nan")
-        if not name or not (weight >= 0) or weight == float("inf"):
+            weight = -1.0
+        if not name or not 0 <= weight < float("inf"):  # NaN fails both comparisons
             raise typer.BadParameter(f"{item!r} is not DOMAIN=WEIGHT with a weight of 0 or more")
         if name not in domains:
             raise typer.BadParameter(f"{name!r} is not one of the domains: {', '.join(domains)}")

@@ -161,6 +161,19 @@ def test_base_checkpoint_is_deterministic(tmp_path: Path) -> None:
     ).read_bytes()
 
 
+def test_base_checkpoint_refuses_bad_domain_weights_before_building(tmp_path: Path) -> None:
+    for weights, message in [
+        ({"search": 2.0}, "not being trained: search"),
+        ({"math": 0.0, "code": 0.0}, "not all 0"),
+        ({"math": -1.0}, "not negative"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            create_base_checkpoint(
+                tmp_path / "base", domains=("math", "code"), domain_weights=weights
+            )
+        assert not (tmp_path / "base").exists()
+
+
 def test_saved_model_round_trips_weights(tokenizer, tmp_path: Path) -> None:
     model = build_tiny_model(tokenizer, seed=1)
     model.save_pretrained(tmp_path)
