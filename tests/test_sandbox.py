@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
@@ -278,6 +279,9 @@ def test_concurrent_runs_stay_separate_and_release_everything() -> None:
         return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("sandbox-")}
 
     run_python("pass")  # the one-off namespace probe is done before counting
+    # Earlier tests' unreferenced sockets and files would otherwise be closed by the collector
+    # while this test runs and make the count drop.
+    gc.collect()
     descriptors_before, dirs_before = open_descriptors(), sandbox_dirs()
     codes = [f"def add_one(x):\n    return x + {offset}" for offset in (1, 2, 1, 0) * 3]
     with ThreadPoolExecutor(3) as pool:
