@@ -3,7 +3,9 @@ before, RL with the domain's recipe (`node.recipes`) for a wall-clock budget, gr
 success after on the same tasks, and the gain in points. Exits 1 when any gain is below the bar.
 
 Run: `python bench/bench_learning.py [--minutes 10] [--domains math,code,search] [--base PATH]
-[--eval-tasks 128] [--min-gain 15] [--json results.json]`. Without --base it builds the default
+[--eval-tasks 128] [--min-gain 15] [--json results.json]`, plus overrides of the recipes'
+settings (`--help` lists them: temperature, learning rate, optimizer, loss fields…). Without
+--base it builds the default
 base as `skillswarm bootstrap` does (math, code and search, MULTI_DOMAIN_WARM_START_STEPS and
 DEFAULT_DOMAIN_WEIGHTS, the machine's cores) and times that too. Domains run one after another
 from the same base, each with one torch thread per pipeline thread (rollout producers and
@@ -28,6 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from node.envs import get_environment, list_environments
 from node.evaluate import EvalResult, evaluate_checkpoint
+from node.loss import LossConfig
 from node.model import (
     DEFAULT_DOMAIN_WEIGHTS,
     MULTI_DOMAIN_WARM_START_STEPS,
@@ -219,6 +222,16 @@ def _with_overrides(recipe: RLConfig, args: argparse.Namespace) -> RLConfig:
         settings["loss"]["kl_coef"] = args.kl_coef
     if args.mean_over is not None:
         settings["loss"]["mean_over"] = args.mean_over
+    if args.optimizer is not None:
+        settings["optimizer"] = args.optimizer
+    if args.adam_eps is not None:
+        settings["adam_eps"] = args.adam_eps
+    for option in args.loss:
+        name, separator, value = option.partition("=")
+        if not separator or name.strip() not in LossConfig.model_fields:
+            known = ", ".join(LossConfig.model_fields)
+            raise ValueError(f"--loss takes NAME=VALUE with NAME one of {known}; got {option!r}")
+        settings["loss"][name.strip()] = value.strip()  # pydantic converts and checks it
     return RLConfig.model_validate(settings)
 
 
@@ -238,6 +251,16 @@ def main() -> int:
         "--mean-over",
         choices=("informative", "all"),
         help="the loss mean's denominator: informative samples or all (all domains)",
+    )
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), help="RL optimizer (all domains)")
+    parser.add_argument("--adam-eps", type=float, help="AdamW's epsilon (all domains)")
+    parser.add_argument(
+        "--loss",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a LossConfig field in every domain's recipe (repeatable), e.g. "
+        "--loss negative_advantage_weight=0 --loss aggregation=sequence_mean",
     )
     args = parser.parse_args()
     if args.eval_tasks < 1 or args.minutes <= 0:

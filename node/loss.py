@@ -59,6 +59,13 @@ class LossConfig(BaseModel):
         "non-zero advantage, or of every sample in the update, so that an update learned from "
         "few informative groups is a smaller step",
     )
+    negative_advantage_weight: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="scales negative token advantages: 1 pushes failed samples down as much as "
+        "successes up; 0 learns from the better samples only (rejection-sampling-like)",
+    )
     turn_discount: float = Field(default=1.0, gt=0, le=1, description="γ between turns")
     turn_reward_weight: float = Field(default=1.0, ge=0, description="w on turn-level rewards")
 
@@ -249,7 +256,8 @@ def episode_token_advantages(
 ) -> list[tuple[ConversationTokens, list[float]]]:
     """Every training sample of every episode (episodes in order, then each one's samples in
     order) paired with its per-token advantages; episodes are grouped by task id and rewarded by
-    `reward` and `turn_rewards`, with the config's std normalisation, γ and turn-reward weight."""
+    `reward` and `turn_rewards`, with the config's std normalisation, γ and turn-reward weight;
+    negative advantages are then scaled by `negative_advantage_weight`."""
     rows = [(index, sample) for index, episode in enumerate(episodes) for sample in episode.samples]
     values = token_advantages(
         [episode.reward for episode in episodes],
@@ -263,6 +271,9 @@ def episode_token_advantages(
         turn_reward_weight=config.turn_reward_weight,
         epsilon=epsilon,
     )
+    weight = config.negative_advantage_weight
+    if weight != 1.0:
+        values = [[a * weight if a < 0 else a for a in row] for row in values]
     return [(sample, advantages) for (_, sample), advantages in zip(rows, values, strict=True)]
 
 

@@ -50,11 +50,12 @@ DEFAULT_INITIALIZER_RANGE = 0.08
 # Demonstrations the tokenizer is trained on, per domain.
 TOKENIZER_CORPUS_TASKS = 2000
 DEFAULT_WARM_START_STEPS = 220
-# The warm start `skillswarm bootstrap` gives: 800 steps on all three domains, most of them search
-# (copying made-up names from the question into searches appears only after some 10,000 search
-# demonstrations), few of code (which saturates fast). On 2 cores it left greedy held-out success
-# at math 3.1%, code 11.7%, search 41.4%: each with room for RL (see the README).
-MULTI_DOMAIN_WARM_START_STEPS = 800
+# The warm start `skillswarm bootstrap` gives: 1,200 steps on all three domains, most of them search
+# (copying made-up names of a world it never saw into searches needs well over 10,000 search
+# demonstrations), few of code (which saturates fast). On 2 cores it took 14 minutes and left
+# greedy held-out success at math 2.3%, code 7.0%, search 35.9%: each with room for RL (see the
+# README). 800 steps left search at 4.7-14.1%.
+MULTI_DOMAIN_WARM_START_STEPS = 1200
 # Each domain's share of those steps' demonstrations.
 DEFAULT_DOMAIN_WEIGHTS: dict[str, float] = {"math": 1.9, "code": 0.25, "search": 20.0}
 # The full demo's quicker base: equal shares, a few minutes on a laptop (no search success yet).

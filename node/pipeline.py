@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -57,6 +58,10 @@ class RLConfig(BaseModel):
     tasks_per_step: int = Field(default=8, ge=1)
     samples_per_task: int = Field(default=4, ge=2, description="group size for advantages")
     learning_rate: float = Field(default=2e-4, gt=0)
+    optimizer: Literal["adamw", "sgd"] = Field(
+        default="adamw", description="adamw, or sgd with momentum 0.9"
+    )
+    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW's epsilon")
     temperature: float = Field(default=1.0, gt=0)
     max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, description="per turn")
     context_policy: ContextPolicy = "full"
@@ -263,6 +268,8 @@ class AsyncRLRun:
             max_grad_norm=config.max_grad_norm,
             micro_batch_size=config.micro_batch_size,
             reference_model=reference_model,
+            optimizer=config.optimizer,
+            adam_eps=config.adam_eps,
         )
         self.backend = backend or HFBackend(copy.deepcopy(model).eval(), tokenizer)
         self.stop_requested = threading.Event()

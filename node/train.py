@@ -210,6 +210,12 @@ def supervised_warm_start(
     return losses
 
 
+# "adamw": AdamW (betas, eps); "sgd": SGD with momentum betas[0]. Adam moves every parameter
+# with a non-zero gradient by about the learning rate, however small and noisy its gradient; SGD
+# moves each in proportion to its gradient.
+OPTIMIZERS = ("adamw", "sgd")
+
+
 class PolicyGradientTrainer:
     """Policy-gradient updates on episodes from a behaviour policy μ that may lag the trainer.
 
@@ -234,9 +240,13 @@ class PolicyGradientTrainer:
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
         reference_model: PreTrainedModel | None = None,
+        optimizer: str = "adamw",
+        adam_eps: float = 1e-8,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be positive")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
         config = loss or LossConfig()
         overrides = {
             name: value
@@ -251,9 +261,15 @@ class PolicyGradientTrainer:
         self.reference_model = reference_model
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
-        )
+        self.optimizer: torch.optim.Optimizer
+        if optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(
+                model.parameters(), lr=lr, betas=betas, eps=adam_eps, weight_decay=weight_decay
+            )
+        else:
+            self.optimizer = torch.optim.SGD(
+                model.parameters(), lr=lr, momentum=betas[0], weight_decay=weight_decay
+            )
         self.updates = 0
 
     def step(self, episodes: Sequence[Episode]) -> dict[str, float]:

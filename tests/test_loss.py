@@ -298,6 +298,7 @@ def test_config_defaults() -> None:
         "kl_estimator": "k3",
         "aggregation": "token_mean",
         "mean_over": "informative",
+        "negative_advantage_weight": 1.0,
         "turn_discount": 1.0,
         "turn_reward_weight": 1.0,
     }
@@ -315,6 +316,8 @@ def test_config_defaults() -> None:
         {"turn_discount": 0.0},
         {"turn_discount": 1.5},
         {"turn_reward_weight": -1.0},
+        {"negative_advantage_weight": -0.1},
+        {"negative_advantage_weight": 1.5},
         {"turn_reward_weight": INF},
         {"trust_region": "ppo"},
         {"kl_estimator": "k1"},
@@ -506,3 +509,17 @@ def test_episodes_with_several_samples_get_their_turns_advantages() -> None:
         pytest.approx([0, 0, 0, 1.25, 1.25], abs=1e-5),
         pytest.approx([0, 0, -1.25, -1.25, -1.25], abs=1e-5),
     ]
+    # negative_advantage_weight scales only the negative advantages: b's tokens by 0.2, and to
+    # exactly zero with weight 0 (b then has nothing to train on).
+    damped = episode_token_advantages(
+        [a, b, c], LossConfig(turn_discount=0.5, negative_advantage_weight=0.2)
+    )
+    assert [values for _, values in damped][:3] == [
+        pytest.approx([0, 0, 1.25, 1.25, 0], abs=1e-5),
+        pytest.approx([0, 0, 0, 1.25, 1.25], abs=1e-5),
+        pytest.approx([0, 0, -0.25, -0.25, -0.25], abs=1e-5),
+    ]
+    positive_only = episode_token_advantages(
+        [a, b, c], LossConfig(turn_discount=0.5, negative_advantage_weight=0.0)
+    )
+    assert [values for _, values in positive_only][2] == [0.0] * 5

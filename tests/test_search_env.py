@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from transformers import PreTrainedTokenizerFast
+from transformers.utils import get_json_schema
 
 import node.envs.search  # noqa: F401  (registers the environment)
 import node.search_corpus as search_corpus
@@ -17,6 +18,7 @@ from node.chat_backends import ChatBackend, ChatMessage
 from node.envs import get_environment
 from node.envs.base import InvalidSplitError, Task
 from node.envs.search import (
+    DEFAULT_TRAIN_WORLDS,
     RELATION_QUESTIONS,
     ChatReader,
     ExtractiveReader,
@@ -240,6 +242,61 @@ def test_corpus_and_tasks_are_deterministic_and_splits_disjoint(env: SearchEnvir
         env.tasks("test", 3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="yields"):
         env.tasks("heldout", 100_000)
+
+
+def test_training_questions_are_asked_about_other_worlds(
+    env: SearchEnvironment, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    """Training tasks come from the training worlds, each with tools bound to its own world, so
+    their demonstrations replay with full reward; held-out tasks stay on the environment's
+    corpus. No world repeats the held-out world's names beyond chance."""
+    assert len(env.train_world_seeds) == DEFAULT_TRAIN_WORLDS
+    train = env.tasks("train", 300, seed=4)
+    seeds = {task.metadata["world_seed"] for task in train}
+    assert seeds <= set(env.train_world_seeds) and len(seeds) >= DEFAULT_TRAIN_WORLDS // 2
+    assert len({task.id for task in train}) == len(train)
+    heldout_names = {entity.name for entity in env.corpus.entities}
+    starts = [task.metadata["entities"][0] for task in train]
+    assert sum(name in heldout_names for name in starts) <= 0.05 * len(starts)
+    for task in train[:40]:
+        world = env.world(task)
+        assert world is not env.corpus
+        first_doc = task.metadata["doc_ids"][0]
+        assert world.get(first_doc).title == task.metadata["entities"][0]  # type: ignore[union-attr]
+        found = env.bind_tools(task)["search"](task.metadata["entities"][0])
+        assert first_doc in result_doc_ids(found)
+        final_text = ""
+        for results, expected, text in _replay(env, task, tokenizer):
+            if not results:
+                final_text = text
+                break
+            assert [
+                {"role": "tool", "name": r.call.name, "content": r.content} for r in results
+            ] == expected
+        assert env.reward(task, env.final_answer(final_text)) == 1.0
+    for task in env.tasks("heldout", 50, seed=4):
+        assert "world_seed" not in task.metadata and env.world(task) is env.corpus
+    # the bound tools keep the tools' names and documentation, which their schemas come from
+    bound = env.bind_tools(train[0])
+    assert [get_json_schema(bound[name]) for name in ("search", "ask")] == env.tool_schemas()
+
+
+def test_train_worlds_zero_splits_the_environments_own_corpus() -> None:
+    """`train_worlds=0` asks training questions about the corpus itself; a corpus passed in
+    never has training worlds."""
+    own = SearchEnvironment(train_worlds=0)
+    assert own.train_world_seeds == ()
+    train = own.tasks("train", 100, seed=2)
+    names = {entity.name for entity in own.corpus.entities}
+    assert all(task.metadata["entities"][0] in names for task in train)
+    assert all(own.world(task) is own.corpus for task in train)
+    assert SearchEnvironment(corpus=own.corpus).train_world_seeds == ()
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="train_worlds"):
+            SearchEnvironment(train_worlds=bad)  # type: ignore[arg-type]
+    foreign = Task(id="x", prompt="q", answer="a", metadata={"world_seed": 12345})
+    with pytest.raises(ValueError, match="training worlds"):
+        own.world(foreign)
 
 
 def test_every_relation_has_a_question_and_composes() -> None:

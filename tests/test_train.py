@@ -18,7 +18,7 @@ from node.model import (
     build_tokenizer,
     render_demonstrations,
 )
-from node.pipeline import train_rl
+from node.pipeline import RLConfig, train_rl
 from node.rollout import Episode, play_episodes, tokenize_demonstration
 from node.train import (
     PolicyGradientTrainer,
@@ -315,6 +315,51 @@ def test_mean_over_all_samples_scales_the_update_by_the_informative_share(
     assert results["all"]["grad_norm"] == pytest.approx(
         results["informative"]["grad_norm"] * informative / everything, rel=1e-4
     )
+
+
+def test_optimizer_choice_sets_how_far_each_parameter_moves(
+    tokenizer, env: MathEnvironment
+) -> None:
+    """SGD's first step moves each parameter by exactly lr times its (clipped) gradient; AdamW's
+    moves every parameter with a gradient by about lr whatever the gradient's size, unless its
+    epsilon is large against the gradients."""
+    episodes = play_episodes(
+        build_tiny_model(tokenizer, seed=1),
+        tokenizer,
+        env,
+        env.tasks("train", 2),
+        samples_per_task=2,
+        seed=0,
+        max_new_tokens=8,
+    )
+    for index, episode in enumerate(episodes):
+        episode.reward = float(index % 2)
+    moves: dict[str, float] = {}
+    for name, options in {
+        "sgd": {"optimizer": "sgd", "lr": 0.5},
+        "adamw": {"lr": 1e-3},
+        "adamw_large_eps": {"lr": 1e-3, "adam_eps": 10.0},
+    }.items():
+        model = build_tiny_model(tokenizer, seed=1)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = PolicyGradientTrainer(model, tokenizer, **options)  # type: ignore[arg-type]
+        assert trainer.step(episodes)["skipped"] == 0.0
+        if name == "sgd":
+            assert isinstance(trainer.optimizer, torch.optim.SGD)
+            for n, p in model.named_parameters():
+                assert p.grad is not None
+                torch.testing.assert_close(before[n] - p.detach(), 0.5 * p.grad)
+        moves[name] = max(
+            float((before[n] - p.detach()).abs().max()) for n, p in model.named_parameters()
+        )
+    assert moves["adamw"] == pytest.approx(1e-3, rel=0.05)
+    assert moves["adamw_large_eps"] < 1e-4
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        PolicyGradientTrainer(build_tiny_model(tokenizer, seed=1), tokenizer, optimizer="adam")
+    with pytest.raises(ValueError, match="optimizer"):
+        RLConfig(optimizer="adam")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="adam_eps"):
+        RLConfig(adam_eps=0.0)
 
 
 def test_train_rl_reports_each_step(tokenizer, env: MathEnvironment) -> None:

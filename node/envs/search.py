@@ -5,10 +5,16 @@ so whole pages never enter the policy's context.
 Questions come from the generated linked corpus (every task has a solver) or from a JSONL
 questions file over any corpus (those tasks have no solver: `solve` raises SolverUnavailableError,
 because the file names the supporting documents but not the hops between them).
+
+With the generated corpus, training questions are asked about other generated worlds (same kinds
+of facts, other made-up names) and held-out questions about the environment's own world, so
+neither a warm start nor RL can pass held-out questions by recalling names from training: what
+carries over is the skill of copying a name into a search and following the facts.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -58,6 +64,13 @@ MAX_HOPS = 3
 # a small base first learns to solve, and give multi-hop training its first rewards.
 DEFAULT_HOPS: tuple[int, ...] = (1, 2)
 QUESTIONS_FILE_FAMILY = "questions_file"
+# Training questions over the generated corpus come from this many other generated worlds. Each
+# world gives about 6,100 training questions, so a warm start of ~12,000 search demonstrations sees
+# each question about 0.1 times, and recalling a world's names cannot stand in for copying them.
+DEFAULT_TRAIN_WORLDS = 16
+# Training world i of an environment generated with `seed` is generate_linked_corpus(seed +
+# TRAIN_WORLD_SEED_STRIDE * (i + 1)), far from any seed a user would pick for the world itself.
+TRAIN_WORLD_SEED_STRIDE = 1_000_000
 # One search result a line: "[doc_id] title: snippet"; turn rewards read the ids back from it.
 _RESULT_LINE_PATTERN = re.compile(r"^\[([^\]\s]+)\] ", re.MULTILINE)
 
@@ -272,8 +285,61 @@ def result_doc_ids(search_output: str) -> list[str]:
     return _RESULT_LINE_PATTERN.findall(search_output)
 
 
-def _task_id(question: str) -> str:
-    return "search-" + hashlib.sha256(question.encode("utf-8")).hexdigest()[:16]
+def _task_id(question: str, world_seed: int | None = None) -> str:
+    key = question if world_seed is None else f"{world_seed}\n{question}"
+    return "search-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
+
+
+class _Drawer:
+    """Draws tasks from one family without replacement, each draw O(1) however large the family
+    (a Fisher-Yates shuffle done only as far as the draws go, its swaps kept in a dict)."""
+
+    def __init__(self, tasks: Sequence[Task]) -> None:
+        self.tasks = tasks
+        self.drawn = 0
+        self._swapped: dict[int, int] = {}
+
+    @property
+    def left(self) -> int:
+        return len(self.tasks) - self.drawn
+
+    def draw(self, rng: random.Random) -> Task:
+        position = rng.randrange(self.drawn, len(self.tasks))
+        picked = self._swapped.get(position, position)
+        self._swapped[position] = self._swapped.get(self.drawn, self.drawn)
+        self.drawn += 1
+        return self.tasks[picked]
+
+
+def search_corpus(corpus: Corpus, query: str, top_k: int) -> str:
+    """The `search` tool's reply for `query` over `corpus`: the best `top_k` hits, one a line."""
+    query = " ".join(query.split())
+    if not query:
+        return f"{TOOL_ERROR_PREFIX}the query is empty; search for a name"
+    if len(query) > MAX_QUERY_CHARS:
+        return f"{TOOL_ERROR_PREFIX}the query is longer than {MAX_QUERY_CHARS} characters"
+    hits = corpus.search(query, top_k)
+    if not hits:
+        return f'No results for "{query}". Search for a name from the question or an answer.'
+    return "\n".join(f"[{hit.doc_id}] {hit.title}: {hit.snippet}" for hit in hits)
+
+
+def ask_document(corpus: Corpus, reader: DocumentReader, doc_id: str, question: str) -> str:
+    """The `ask` tool's reply: `reader`'s answer to `question` from one document of `corpus`."""
+    doc_id = doc_id.strip()
+    document = corpus.get(doc_id)
+    if document is None:
+        shown = doc_id if len(doc_id) <= 40 else doc_id[:40] + "..."
+        return (
+            f"{TOOL_ERROR_PREFIX}unknown doc_id {shown!r}; pass an id shown in brackets in "
+            "the search results"
+        )
+    question = " ".join(question.split())
+    if not question:
+        return f"{TOOL_ERROR_PREFIX}the question is empty"
+    if len(question) > MAX_QUESTION_CHARS:
+        return f"{TOOL_ERROR_PREFIX}the question is longer than {MAX_QUESTION_CHARS} characters"
+    return reader.answer(document, question)
 
 
 @register_environment
@@ -285,6 +351,9 @@ class SearchEnvironment(Environment):
     corpus (`generate_linked_corpus(seed)`). Tasks come from `questions_file` (JSONL, see
     `load_jsonl_questions`) when given; otherwise the corpus must be a LinkedCorpus and questions
     of `hops` hops are generated from its facts: one count, or several drawn in equal shares.
+    With the generated corpus, training questions are asked about `train_worlds` other generated
+    worlds (each task's tools search that task's world, see `bind_tools`) and held-out questions
+    about `corpus`; `train_worlds=0`, or a corpus passed in, splits one corpus's questions.
     `reader` answers `ask` (ExtractiveReader by default; a ChatReader puts a model behind it).
     Each search whose results first show a document the task needs earns `search_credit` as a
     turn reward."""
@@ -308,9 +377,12 @@ class SearchEnvironment(Environment):
         max_turns: int | None = None,
         search_credit: float = DEFAULT_SEARCH_CREDIT,
         tool_timeout_s: float | None = None,
+        train_worlds: int = DEFAULT_TRAIN_WORLDS,
     ) -> None:
         if corpus is not None and corpus_file is not None:
             raise ValueError("pass either corpus or corpus_file, not both")
+        if isinstance(train_worlds, bool) or not isinstance(train_worlds, int) or train_worlds < 0:
+            raise ValueError(f"train_worlds must be a whole number >= 0, got {train_worlds!r}")
         if not 1 <= top_k <= 20:
             raise ValueError(f"top_k must be from 1 to 20, got {top_k}")
         hop_counts = (hops,) if isinstance(hops, int) else tuple(hops)
@@ -321,9 +393,17 @@ class SearchEnvironment(Environment):
             raise ValueError(f"hops must be from 1 to {MAX_HOPS} (one or several), got {hops!r}")
         if search_credit < 0:
             raise ValueError(f"search_credit must not be negative, got {search_credit}")
+        generated = corpus is None and corpus_file is None and questions_file is None
         if corpus_file is not None:
             corpus = load_jsonl_corpus(corpus_file)
         self.corpus: Corpus = corpus if corpus is not None else generate_linked_corpus(seed)
+        # Seeds of the worlds training questions come from (empty: the corpus's own questions).
+        self.train_world_seeds: tuple[int, ...] = (
+            tuple(seed + TRAIN_WORLD_SEED_STRIDE * (i + 1) for i in range(train_worlds))
+            if generated
+            else ()
+        )
+        self._worlds: dict[int, LinkedCorpus] = {}
         self.questions: list[Question] | None = None
         if questions_file is not None:
             self.questions = load_jsonl_questions(questions_file, self.corpus)
@@ -354,15 +434,7 @@ class SearchEnvironment(Environment):
         Args:
             query: A name or other words to look for.
         """
-        query = " ".join(query.split())
-        if not query:
-            return f"{TOOL_ERROR_PREFIX}the query is empty; search for a name"
-        if len(query) > MAX_QUERY_CHARS:
-            return f"{TOOL_ERROR_PREFIX}the query is longer than {MAX_QUERY_CHARS} characters"
-        hits = self.corpus.search(query, self.top_k)
-        if not hits:
-            return f'No results for "{query}". Search for a name from the question or an answer.'
-        return "\n".join(f"[{hit.doc_id}] {hit.title}: {hit.snippet}" for hit in hits)
+        return search_corpus(self.corpus, query, self.top_k)
 
     def ask(self, doc_id: str, question: str) -> str:
         """Ask a reader a short question about one document; it answers from that document only.
@@ -371,32 +443,67 @@ class SearchEnvironment(Environment):
             doc_id: A document id, as shown in brackets in the search results.
             question: A short question about the document, such as "Who founded it?".
         """
-        doc_id = doc_id.strip()
-        document = self.corpus.get(doc_id)
-        if document is None:
-            shown = doc_id if len(doc_id) <= 40 else doc_id[:40] + "..."
-            return (
-                f"{TOOL_ERROR_PREFIX}unknown doc_id {shown!r}; pass an id shown in brackets in "
-                "the search results"
-            )
-        question = " ".join(question.split())
-        if not question:
-            return f"{TOOL_ERROR_PREFIX}the question is empty"
-        if len(question) > MAX_QUESTION_CHARS:
-            return f"{TOOL_ERROR_PREFIX}the question is longer than {MAX_QUESTION_CHARS} characters"
-        return self.reader.answer(document, question)
+        return ask_document(self.corpus, self.reader, doc_id, question)
 
     @property
     def tools(self) -> list[ToolFunction]:
         return [self.search, self.ask]
 
+    def world(self, task: Task) -> Corpus:
+        """The corpus `task` is asked about: a training world's, or this environment's own."""
+        world_seed = task.metadata.get("world_seed")
+        return self.corpus if world_seed is None else self._train_world(world_seed)
+
+    def _train_world(self, world_seed: int) -> LinkedCorpus:
+        if world_seed not in self.train_world_seeds:
+            raise ValueError(f"{world_seed} is not one of this environment's training worlds")
+        world = self._worlds.get(world_seed)
+        if world is None:
+            # Generated once per environment and kept (generate_linked_corpus caches only a few).
+            world = self._worlds.setdefault(world_seed, generate_linked_corpus(world_seed))
+        return world
+
+    def bind_tools(self, task: Task) -> dict[str, ToolFunction]:
+        """`search` and `ask` over the world `task` is asked about."""
+        corpus = self.world(task)
+        if corpus is self.corpus:
+            return self.tools_by_name()
+
+        @functools.wraps(self.search)
+        def search(query: str) -> str:
+            return search_corpus(corpus, query, self.top_k)
+
+        @functools.wraps(self.ask)
+        def ask(doc_id: str, question: str) -> str:
+            return ask_document(corpus, self.reader, doc_id, question)
+
+        return {"search": search, "ask": ask}
+
     # ---- tasks ----
 
     def _generated_pool(self, split: Split) -> list[list[Task]]:
-        """All generated tasks of `split`, grouped by family (relation path), in a fixed order."""
-        corpus = self.corpus
-        assert isinstance(corpus, LinkedCorpus)
+        """All generated tasks of `split`, grouped by family (relation path), in a fixed order:
+        training tasks from every training world when there are any."""
         families: dict[str, list[Task]] = {}
+        if split == "train" and self.train_world_seeds:
+            for world_seed in self.train_world_seeds:
+                self._add_generated_tasks(
+                    families, self._train_world(world_seed), split, world_seed
+                )
+        else:
+            assert isinstance(self.corpus, LinkedCorpus)
+            self._add_generated_tasks(families, self.corpus, split, None)
+        return [families[family] for family in sorted(families)]
+
+    def _add_generated_tasks(
+        self,
+        families: dict[str, list[Task]],
+        corpus: LinkedCorpus,
+        split: Split,
+        world_seed: int | None,
+    ) -> None:
+        # A training world's questions are filtered by split too, so that no training question
+        # has the text of a held-out one.
         for start in corpus.entities:
             for relations in (p for h in self.hop_counts for p in _chains(corpus, start, h)):
                 question = compose_question(relations, start.name)
@@ -407,20 +514,22 @@ class SearchEnvironment(Environment):
                     path.append(corpus.entity(path[-1].links[relation]))
                 doc_ids = [entity.entity_id for entity in path]
                 family = ">".join(relations)
+                metadata: dict[str, Any] = {
+                    "family": family,
+                    "relations": list(relations),
+                    "entities": [entity.name for entity in path],
+                    "doc_ids": doc_ids,
+                    "needed_doc_ids": doc_ids[:-1],
+                }
+                if world_seed is not None:
+                    metadata["world_seed"] = world_seed
                 task = Task(
-                    id=_task_id(question),
+                    id=_task_id(question, world_seed),
                     prompt=question,
                     answer=path[-1].name,
-                    metadata={
-                        "family": family,
-                        "relations": list(relations),
-                        "entities": [entity.name for entity in path],
-                        "doc_ids": doc_ids,
-                        "needed_doc_ids": doc_ids[:-1],
-                    },
+                    metadata=metadata,
                 )
                 families.setdefault(family, []).append(task)
-        return [families[family] for family in sorted(families)]
 
     def _hops_label(self) -> str:
         return ",".join(str(h) for h in self.hop_counts)
@@ -454,20 +563,20 @@ class SearchEnvironment(Environment):
             return rng.sample(pool, n)
         if split not in self._task_pools:
             self._task_pools[split] = self._generated_pool(split)
-        by_hops: dict[int, list[list[Task]]] = {}
+        by_hops: dict[int, list[_Drawer]] = {}
         for tasks in self._task_pools[split]:
             hops = len(tasks[0].metadata["relations"])
-            by_hops.setdefault(hops, []).append(rng.sample(tasks, len(tasks)))
-        available = sum(len(tasks) for families in by_hops.values() for tasks in families)
+            by_hops.setdefault(hops, []).append(_Drawer(tasks))
+        available = sum(len(family.tasks) for families in by_hops.values() for family in families)
         if n > available:
             raise ValueError(
                 f"the corpus yields {available} {split} tasks of {self._hops_label()} hops, not {n}"
             )
         chosen: list[Task] = []
         while len(chosen) < n:
-            hops = rng.choice([h for h in sorted(by_hops) if any(by_hops[h])])
-            family = rng.choice([tasks for tasks in by_hops[hops] if tasks])
-            chosen.append(family.pop())
+            hops = rng.choice([h for h in sorted(by_hops) if any(f.left for f in by_hops[h])])
+            family = rng.choice([f for f in by_hops[hops] if f.left])
+            chosen.append(family.draw(rng))
         return chosen
 
     def reward(self, task: Task, final_answer: str | None) -> float:
