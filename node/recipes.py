@@ -52,7 +52,8 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
     # all-or-nothing function families a success to learn from more often than groups of 4
     # (8 x 4 from 33.6%: +3.1 with turn rewards, -1.6 without, in 6 minutes). From an 800-step
     # base weighted to search (11.7% greedy, 3.1% sampled): 208 steps, -7.8 points, sampled
-    # training success 2% -> 6%.
+    # training success 2% -> 6%. From the 1,200-step default base (7.0%, 0% sampled): 172 steps,
+    # -3.1 points, sampled held-out 0% -> 3.9%.
     "code": RLConfig(
         tasks_per_step=8,
         samples_per_task=8,
@@ -68,8 +69,9 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
     # steps and 73.4% after 1,430, partly by recalling that world's facts, and RL for 10 minutes
     # lowered both (-9.4 and -3.9 points; at temperature 0.7 and lr 1e-4, +1.6). With training
     # questions on other worlds (so only copying carries over): from the 1,200-step default base
-    # (35.9%), 272 steps, -12.5 points, and with adam_eps 1e-5, 239 steps, -17.2; from an 800-step
-    # base at 14.1%, 288 steps, -5.5, and with negative_advantage_weight 0, 282 steps, -4.7.
+    # (35.9%), 272 steps, -12.5 points; with adam_eps 1e-5, 239 steps, -17.2; without turn credit,
+    # 290 steps, -14.1. From an 800-step base at 14.1%, 288 steps, -5.5, and with
+    # negative_advantage_weight 0, 282 steps, -4.7.
     # Sampled training success over 10-step windows follows the seeded task sequence (the same
     # ups and downs in every run), so held-out success is the measure. Groups of 4 rather than 8,
     # for more steps in the time.
