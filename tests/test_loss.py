@@ -511,15 +511,15 @@ def test_episodes_with_several_samples_get_their_turns_advantages() -> None:
     ]
     # negative_advantage_weight scales only the negative advantages: b's tokens by 0.2, and to
     # exactly zero with weight 0 (b then has nothing to train on).
-    damped = episode_token_advantages(
-        [a, b, c], LossConfig(turn_discount=0.5, negative_advantage_weight=0.2)
-    )
-    assert [values for _, values in damped][:3] == [
-        pytest.approx([0, 0, 1.25, 1.25, 0], abs=1e-5),
-        pytest.approx([0, 0, 0, 1.25, 1.25], abs=1e-5),
-        pytest.approx([0, 0, -0.25, -0.25, -0.25], abs=1e-5),
-    ]
-    positive_only = episode_token_advantages(
-        [a, b, c], LossConfig(turn_discount=0.5, negative_advantage_weight=0.0)
-    )
-    assert [values for _, values in positive_only][2] == [0.0] * 5
+    for weight, b_row in (
+        (0.2, pytest.approx([0, 0, -0.25, -0.25, -0.25], abs=1e-5)),
+        (0.0, [0.0] * 5),
+    ):
+        scaled = episode_token_advantages(
+            [a, b, c], LossConfig(turn_discount=0.5, negative_advantage_weight=weight)
+        )
+        assert [values for _, values in scaled][:3] == [
+            pytest.approx([0, 0, 1.25, 1.25, 0], abs=1e-5),
+            pytest.approx([0, 0, 0, 1.25, 1.25], abs=1e-5),
+            b_row,
+        ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -45,6 +46,25 @@ def _sequence_logprob(model, episode: Episode) -> float:
     with torch.no_grad():
         logprobs = token_logprobs(model, ids, torch.ones_like(ids), episode.temperature)[0]
     return float((logprobs * torch.tensor(episode.loss_mask)).sum())
+
+
+def _half_rewarded_episodes(
+    model, tokenizer, env: MathEnvironment, n_tasks: int, samples: int, max_new_tokens: int
+) -> list[Episode]:
+    """Episodes of `n_tasks` training tasks with rewards set by hand: every second one wins, so
+    each group of `samples` (an even number) is half winners."""
+    episodes = play_episodes(
+        model,
+        tokenizer,
+        env,
+        env.tasks("train", n_tasks),
+        samples_per_task=samples,
+        seed=0,
+        max_new_tokens=max_new_tokens,
+    )
+    for index, episode in enumerate(episodes):
+        episode.reward = float(index % 2)
+    return episodes
 
 
 def test_supervised_warm_start_trains_only_assistant_tokens(
@@ -174,36 +194,22 @@ def test_warm_start_weights_share_the_demonstrations_in_proportion(
     light, heavy = Counting(), Counting()
     seen: list[tuple[int, float]] = []
     model = build_tiny_model(tokenizer, seed=0)
-    losses = supervised_warm_start(
-        model,
-        tokenizer,
+    warm_start = functools.partial(supervised_warm_start, model, tokenizer, lr=1e-3, seed=0)
+    losses = warm_start(
         [light, heavy],
         steps=6,
         batch_size=6,
-        lr=1e-3,
-        seed=0,
         weights=[1.0, 3.0],
         on_step=lambda step, loss: seen.append((step, loss)),
     )
     assert (light.solved, heavy.solved) == (9, 27)
     assert seen == list(enumerate(losses, start=1))
     zero = Counting()
-    supervised_warm_start(
-        model, tokenizer, [zero, light], steps=2, batch_size=4, lr=1e-3, seed=0, weights=[0, 1]
-    )
+    warm_start([zero, light], steps=2, batch_size=4, weights=[0, 1])
     assert zero.solved == 0
     for bad in ([1.0], [0.0, 0.0], [-1.0, 2.0], [float("nan"), 1.0]):
         with pytest.raises(ValueError, match="weights"):
-            supervised_warm_start(
-                model,
-                tokenizer,
-                [light, heavy],
-                steps=1,
-                batch_size=2,
-                lr=1e-3,
-                seed=0,
-                weights=bad,
-            )
+            warm_start([light, heavy], steps=1, batch_size=2, weights=bad)
 
 
 def _episode(task_id: str, reward: float) -> Episode:
@@ -229,12 +235,7 @@ def test_policy_gradient_step_moves_toward_rewarded_episodes(
     tokenizer, env: MathEnvironment
 ) -> None:
     model = build_tiny_model(tokenizer, seed=1)
-    tasks = env.tasks("train", 3)
-    episodes = play_episodes(
-        model, tokenizer, env, tasks, samples_per_task=4, seed=0, max_new_tokens=12
-    )
-    for index, episode in enumerate(episodes):  # rewards set by hand: half of each group wins
-        episode.reward = float(index % 2)
+    episodes = _half_rewarded_episodes(model, tokenizer, env, 3, samples=4, max_new_tokens=12)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     logprob_before = [_sequence_logprob(model, e) for e in episodes]
     trainer = PolicyGradientTrainer(model, tokenizer, lr=1e-3, micro_batch_size=5)
@@ -256,11 +257,8 @@ def test_policy_gradient_step_moves_toward_rewarded_episodes(
 
 def test_stale_ratios_are_clipped(tokenizer, env: MathEnvironment) -> None:
     model = build_tiny_model(tokenizer, seed=1)
-    episodes = play_episodes(
-        model, tokenizer, env, env.tasks("train", 2), samples_per_task=2, seed=0, max_new_tokens=8
-    )
-    for index, episode in enumerate(episodes):
-        episode.reward = float(index % 2)
+    episodes = _half_rewarded_episodes(model, tokenizer, env, 2, samples=2, max_new_tokens=8)
+    for episode in episodes:
         sampled = [i for i, m in enumerate(episode.loss_mask) if m]
         for i in sampled:  # pretend the behaviour policy was much less likely to pick these tokens
             episode.tokens.logprobs[i] -= 1.0
@@ -323,17 +321,9 @@ def test_optimizer_choice_sets_how_far_each_parameter_moves(
     """SGD's first step moves each parameter by exactly lr times its (clipped) gradient; AdamW's
     moves every parameter with a gradient by about lr whatever the gradient's size, unless its
     epsilon is large against the gradients."""
-    episodes = play_episodes(
-        build_tiny_model(tokenizer, seed=1),
-        tokenizer,
-        env,
-        env.tasks("train", 2),
-        samples_per_task=2,
-        seed=0,
-        max_new_tokens=8,
+    episodes = _half_rewarded_episodes(
+        build_tiny_model(tokenizer, seed=1), tokenizer, env, 2, samples=2, max_new_tokens=8
     )
-    for index, episode in enumerate(episodes):
-        episode.reward = float(index % 2)
     moves: dict[str, float] = {}
     for name, options in {
         "sgd": {"optimizer": "sgd", "lr": 0.5},
