@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ from protocol.host import (
     PeerConnectError,
     SwarmHost,
     _CancelSafeRawConnection,
+    _StreamBuffer,
 )
 from protocol.identity import load_or_create_identity
 
@@ -399,3 +401,49 @@ def test_buffered_connection_reads_return_every_byte_in_order_and_never_more_tha
     reads = trio.run(read_everything)
     assert b"".join(data for _, data in reads) == payload
     assert all(0 < len(data) <= (n or len(payload)) for n, data in reads)
+
+
+# Yamux stream buffers (every received blob byte waits in one)
+
+
+def test_stream_buffer_answers_as_a_bytearray_would_and_keeps_no_mutable_input() -> None:
+    rng = random.Random(3)
+    buffer, reference = _StreamBuffer(b"start"), bytearray(b"start")
+    for _ in range(300):
+        action = rng.randrange(6)
+        if action < 2:
+            data = rng.randbytes(rng.randrange(0, 3000))
+            source = rng.choice([data, bytearray(data), memoryview(data)[1:], memoryview(data)])
+            if isinstance(source, bytearray):  # a mutable chunk is copied, not kept
+                buffer.extend(source)
+                source[:] = bytes(len(source))
+            else:
+                buffer += source
+            reference += data if not isinstance(source, memoryview) else bytes(source)
+        elif action == 2:
+            count = rng.randrange(0, 4000)
+            assert buffer.take(count) == bytes(reference[:count])
+            del reference[:count]
+        elif action == 3:
+            target = memoryview(bytearray(rng.randrange(0, 4000)))
+            moved = buffer.take_into(target)
+            assert moved == min(len(target), len(reference))
+            assert bytes(target[:moved]) == bytes(reference[:moved])
+            del reference[:moved]
+        elif action == 4:
+            count = rng.randrange(0, 4000)
+            assert buffer[:count] == bytes(reference[:count])
+            del buffer[:count]
+            del reference[:count]
+        else:
+            key = slice(rng.randrange(0, 50), rng.randrange(50, 100))  # not a prefix
+            assert buffer[key] == bytes(reference[key])
+            del buffer[key]
+            del reference[key]
+        assert len(buffer) == len(reference)
+        assert bool(buffer) == bool(reference)
+        assert bytes(buffer) == bytes(reference)
+    buffer.clear()
+    assert len(buffer) == 0 and not buffer and bytes(buffer) == b""
+    with pytest.raises(TypeError):
+        buffer[0]  # noqa: B018
