@@ -21,7 +21,9 @@ class NoRecipeError(KeyError):
 # load average of 3-10 from other work. The learning rate mattered most: 5e-4 and above collapsed
 # math and code (greedy -4 to -21 points in 6 minutes, sampled success to about 0; 1e-3 and 3e-3
 # within 10 steps), 2e-4 rose steadily. Math and code were measured with outcome-only advantages
-# (turn_reward_weight 0), and keep them.
+# (turn_reward_weight 0), and keep them. Every base named below was built with the earlier
+# tokenizer (Qwen2's pre-tokenizer, which glues the character before a word to it) unless it says
+# otherwise.
 _OUTCOME_ONLY = LossConfig(turn_reward_weight=0.0)
 
 DOMAIN_RECIPES: dict[str, RLConfig] = {

@@ -205,7 +205,7 @@ def test_nan_wrong_shape_and_oversized_deltas_are_refused_and_never_merged(
 
 
 def test_eval_gate_refuses_a_delta_that_wrecks_another_domain(tmp_path: Path, tiny_base: Path):
-    gates = GateConfig(eval_gate=True, domains=["math"], n_tasks=8, max_other_domain_drop=0.3)
+    gates = GateConfig(eval_gate=True, domains=["math"], n_tasks=8, max_other_domain_drop=0.2)
     eval_config = EvalConfig(n_tasks=1, validation_seed=GATE_VALIDATION_SEED)
     c = _coordinator(tmp_path, tiny_base, gates=gates, eval=eval_config)
     try:

@@ -53,6 +53,30 @@ def test_tokenizer_is_byte_level_with_single_digit_tokens(tokenizer) -> None:
     assert kept == "x<tool_call>y</tool_call>"
 
 
+def test_a_word_is_the_same_tokens_wherever_it_stands_also_after_reloading(
+    tokenizer, tmp_path: Path
+) -> None:
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    for loaded in (tokenizer, reloaded):
+
+        def pieces(text: str, loaded=loaded) -> list[str]:
+            return loaded.convert_ids_to_tokens(loaded(text, add_special_tokens=False)["input_ids"])
+
+        for word in ["Lodan", "apples", "f73"]:
+            alone = pieces(word)
+            contexts = [f"Ask {word} now", f'{{"query": "{word}"}}', f"[{word}] x", f"({word}."]
+            for context in contexts:
+                found = pieces(context)
+                assert any(found[i : i + len(alone)] == alone for i in range(len(found))), (
+                    word,
+                    context,
+                    found,
+                )
+    text = 'Where was Lodan Lalzar born? {"query": "Lodan Lalzar"} [f73] 12 * 3'
+    assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
 def test_tokenizer_training_is_deterministic() -> None:
     corpus = ["Ann has 12 apples and buys 7 boxes of 3 apples."] * 20 + list(TEMPLATE_FIXED_STRINGS)
     first = build_tokenizer(corpus).backend_tokenizer.to_str()

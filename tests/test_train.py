@@ -114,7 +114,10 @@ def test_shared_prefix_gives_the_same_logprobs_and_gradients(
         results.append((logprobs * loss_mask, [p.grad.clone() for p in model.parameters()]))
     assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
     for plain, shared in zip(results[0][1], results[1][1], strict=True):
-        assert torch.allclose(plain, shared, rtol=1e-4, atol=1e-5)
+        # float32 sums in another order: the embedding's gradient adds up every position's, up to
+        # a few hundred, so its smaller entries differ by up to ~1e-4 (seen: 8.4e-5 at 275).
+        scale = float(plain.abs().max())
+        assert torch.allclose(plain, shared, rtol=1e-4, atol=1e-5 + 1e-6 * scale)
 
 
 def test_warm_start_on_several_environments_takes_the_whole_batch_token_mean(
