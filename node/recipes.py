@@ -39,7 +39,8 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
     # way, so this recipe keeps 1.0 until a setting is shown to be reliably better. From an
     # 800-step base weighted to search (math 3.1% greedy, 1.6% sampled): 981 steps, -2.3
     # points; sampled training success stayed at 1-6%, too rare a success for groups of 4 to
-    # learn from.
+    # learn from. From the default base with the current tokenizer (36.7% greedy, 20.3% sampled):
+    # 586 steps, +5.5 points greedy, 34.4% sampled, training success 0.10 -> 0.38.
     "math": RLConfig(
         tasks_per_step=8,
         samples_per_task=4,
