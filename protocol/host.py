@@ -397,9 +397,7 @@ class _BatchedNoiseSession(SecureSession):
         self._raw = raw
         self._write_lock = _EagerLock()
         self._wire = bytearray()
-        self._opened: deque[bytes] = deque()  # opened messages, not yet read
-        self._opened_offset = 0  # bytes already read of the first of them
-        self._opened_bytes = 0  # bytes not yet read of all of them
+        self._opened = _StreamBuffer()  # opened messages, not yet read
         self._ciphertext = b""  # the start of a message whose end has not arrived yet
 
     async def write(self, data: bytes) -> None:
@@ -414,40 +412,23 @@ class _BatchedNoiseSession(SecureSession):
         if n == 0:
             return b""
         wanted = 1 if n is None else n
-        while self._opened_bytes < wanted:
+        while len(self._opened) < wanted:
             if not await self._open_more():
-                if self._opened_bytes:
+                if self._opened:
                     break
                 raise self._closed_error(wanted)
-        parts = list(self._take(self._opened_bytes if n is None else min(n, self._opened_bytes)))
-        if len(parts) == 1 and isinstance(parts[0], bytes):
-            return parts[0]
-        return b"".join(parts)
+        return self._opened.take(len(self._opened) if n is None else n)
 
     async def read_into(self, target: bytearray | _StreamBuffer, count: int) -> None:
         """Append exactly `count` bytes to `target` as they are opened (a _StreamBuffer keeps
         the opened messages without copying them)."""
         while count > 0:
-            if not self._opened_bytes and not await self._open_more():
+            if not self._opened and not await self._open_more():
                 raise self._closed_error(count)
-            taken = min(count, self._opened_bytes)
-            for part in self._take(taken):
+            taken = min(count, len(self._opened))
+            for part in self._opened.pop_parts(taken):
                 target.extend(part)
             count -= taken
-
-    def _take(self, count: int) -> Iterator[bytes | memoryview]:
-        """The next `count` opened bytes, as whole messages or views of them."""
-        self._opened_bytes -= count
-        while count > 0:
-            first, start = self._opened[0], self._opened_offset
-            end = min(len(first), start + count)
-            yield first if start == 0 and end == len(first) else memoryview(first)[start:end]
-            count -= end - start
-            if end == len(first):
-                self._opened.popleft()
-                self._opened_offset = 0
-            else:
-                self._opened_offset = end
 
     def _closed_error(self, wanted: int) -> IncompleteReadError:
         return IncompleteReadError(
@@ -524,8 +505,7 @@ class _BatchedNoiseSession(SecureSession):
             except InvalidTag:
                 await self._raw.close()
                 raise RawConnError("a Noise message failed authentication") from None
-            self._opened.append(message)
-            self._opened_bytes += len(message)
+            self._opened.extend(message)
             start = end
         return start
 
@@ -546,7 +526,8 @@ class _CancelSafeNoiseTransport(NoiseTransport):
 
 
 class _StreamBuffer:
-    """A Yamux stream's received, unread bytes as a queue of the chunks they arrived in.
+    """Received, unread bytes as a queue of the chunks they arrived in: a Yamux stream's buffer,
+    and the Noise session's opened messages.
 
     py-libp2p keeps them in a bytearray, appended at the end and cut from the front. Once bytes
     have been cut from its front, CPython moves the whole bytearray to grow it, so with megabytes
@@ -589,7 +570,7 @@ class _StreamBuffer:
 
     def take(self, count: int) -> bytes:
         """Remove and return the first `count` bytes (all of them if fewer are buffered)."""
-        parts = list(self._pop(min(count, self._size)))
+        parts = list(self.pop_parts(min(count, self._size)))
         if len(parts) == 1 and isinstance(parts[0], bytes):
             return parts[0]
         return b"".join(parts)
@@ -598,12 +579,14 @@ class _StreamBuffer:
         """Move up to len(target) bytes into the start of `target`; returns how many."""
         count = min(len(target), self._size)
         filled = 0
-        for part in self._pop(count):
+        for part in self.pop_parts(count):
             target[filled : filled + len(part)] = part
             filled += len(part)
         return count
 
-    def _pop(self, count: int) -> Iterator[bytes | memoryview]:
+    def pop_parts(self, count: int) -> Iterator[bytes | memoryview]:
+        """Remove the first `count` bytes (at most len(self)), as whole chunks or views of
+        them."""
         self._size -= count
         while count > 0:
             first, start = self._chunks[0], self._offset
@@ -636,7 +619,7 @@ class _StreamBuffer:
             raise TypeError("a stream buffer is cut by slices")
         start, stop, step = key.indices(self._size)
         if start == 0 and step == 1:
-            for _ in self._pop(max(0, stop)):
+            for _ in self.pop_parts(max(0, stop)):
                 pass
             return
         rest = bytearray(self._peek())  # not a prefix: py-libp2p never does this
