@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 from transformers import (
@@ -25,7 +25,6 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 from node.envs import get_environment
 from node.envs.base import Environment
@@ -171,17 +170,17 @@ def build_tokenizer(
     corpus: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on `corpus` (deterministic; any text encodes): Qwen2's
-    normalizer, a pre-tokenizer that keeps words, spaces and punctuation apart (every digit its
-    own token), the chat special tokens, the tool-call tokens and the chat template. It is saved
-    as a plain `tokenizer.json`, which stock `AutoTokenizer` loads as it is, so it tokenizes
-    identically.
+    normalizer (NFC), a pre-tokenizer that keeps words, spaces and punctuation apart (every digit
+    its own token), the chat special tokens, the tool-call tokens and the chat template. It is
+    saved as a plain `tokenizer.json`, which stock `AutoTokenizer` loads as it is, so it
+    tokenizes identically.
 
     Qwen2's own pre-tokenizer glues the character before a word to it, so a name is different
     tokens after a space (in a question), after a quote (in a tool call's JSON) or after a bracket
     (a search result's "[f73]"). Here a word is the same tokens wherever it stands, which is what
     copying it from the prompt into a tool call needs."""
     backend = Tokenizer(BPE())
-    backend.normalizer = Qwen2Tokenizer()._tokenizer.normalizer
+    backend.normalizer = normalizers.NFC()  # Qwen2's normalizer
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="isolated"),

@@ -664,27 +664,30 @@ class _BatchedYamuxStream(YamuxStream):
         some; waiting, the end of the stream, a reset and reading all (`n` of -1) are left to
         py-libp2p, whose every read takes its stream-table lock and formats a few debug
         messages."""
-        buffer = self.conn.stream_buffers.get(self.stream_id)
-        if n is None or n <= 0 or not buffer or self.closed or self.recv_closed:
+        buffer = self._readable_buffer()
+        if n is None or n <= 0 or buffer is None:
             return await super().read(n)
-        if isinstance(buffer, _StreamBuffer):
-            data = buffer.take(n)
-        else:
-            with memoryview(buffer) as view:
-                data = bytes(view[:n])
-            del buffer[: len(data)]
+        data = buffer.take(n)
         await self._auto_tune_and_send_window_update(bytes_read=len(data))
         return data
 
     async def read_buffered_into(self, target: memoryview) -> int:
         """Move buffered bytes straight into `target` (copied once); 0 when none are buffered
         or the stream is closing, for the caller to wait in `read`."""
-        buffer = self.conn.stream_buffers.get(self.stream_id)
-        if not isinstance(buffer, _StreamBuffer) or not buffer or self.closed or self.recv_closed:
+        buffer = self._readable_buffer()
+        if buffer is None:
             return 0
         count = buffer.take_into(target)
         await self._auto_tune_and_send_window_update(bytes_read=count)
         return count
+
+    def _readable_buffer(self) -> _StreamBuffer | None:
+        """The stream's buffer while it is open and holds bytes (_batched made it a
+        _StreamBuffer); None leaves waiting and the stream's end to py-libp2p."""
+        buffer = self.conn.stream_buffers.get(self.stream_id)
+        if not isinstance(buffer, _StreamBuffer) or not buffer or self.closed or self.recv_closed:
+            return None
+        return buffer
 
     @property
     def send_window(self) -> int:
