@@ -265,7 +265,9 @@ def _save_weights(
     else:
         save_model(model, str(folder / SINGLE_WEIGHTS_FILE))
     if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+        from node.model import save_tokenizer  # loads transformers, which a tokenizer has loaded
+
+        save_tokenizer(tokenizer, folder)
 
 
 def _fsync_file(path: Path) -> None:

@@ -212,6 +212,27 @@ def build_tokenizer(
     return tokenizer
 
 
+# Transformers 5 names a tokenizer built from a `tokenizers` object "TokenizersBackend" in
+# tokenizer_config.json, a class transformers 4 does not have, so its AutoTokenizer refuses the
+# folder. Both versions load a tokenizer.json unchanged under this name.
+PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+_VERSION_SPECIFIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend"})
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> None:
+    """`save_pretrained`, naming a class in tokenizer_config.json that transformers 4 and 5
+    both load (PORTABLE_TOKENIZER_CLASS) where transformers 5 would name one only it knows."""
+    tokenizer.save_pretrained(folder)
+    config_path = Path(folder) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") in _VERSION_SPECIFIC_TOKENIZER_CLASSES:
+        config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASS
+        config_path.write_text(
+            json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
+            encoding="utf-8",
+        )
+
+
 def build_tiny_model(
     tokenizer: PreTrainedTokenizerBase,
     seed: int = 0,
@@ -317,7 +338,7 @@ def create_base_checkpoint(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer(tokenizer, out_dir)
     provenance = {
         "seed": seed,
         "domains": list(domains),

@@ -20,7 +20,7 @@ from typing import Any
 from node.envs import get_environment
 from node.evaluate import EvalResult, evaluate_checkpoint
 from node.metrics import ProgressReporter, plot_reward_curves, read_metrics
-from node.model import load_policy, set_torch_threads
+from node.model import load_policy, save_tokenizer, set_torch_threads
 from node.pipeline import AsyncRLRun, RLConfig
 from protocol.durable import write_bytes_atomically
 
@@ -120,7 +120,7 @@ def run_training(
     after: EvalResult | None = None
     if not stopped_early:
         model.save_pretrained(out_dir / "final")
-        tokenizer.save_pretrained(out_dir / "final")
+        save_tokenizer(tokenizer, out_dir / "final")
         if eval_tasks:
             after = _evaluate((model, tokenizer), domain, eval_tasks, eval_seed)
     seconds = time.perf_counter() - started

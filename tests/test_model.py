@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
 from node.envs import get_environment
 from node.model import (
+    PORTABLE_TOKENIZER_CLASS,
     SPECIAL_TOKENS,
     TEMPLATE_FIXED_STRINGS,
     TOOL_TOKENS,
@@ -21,6 +22,7 @@ from node.model import (
     create_base_checkpoint,
     load_policy,
     render_demonstrations,
+    save_tokenizer,
 )
 
 
@@ -56,7 +58,11 @@ def test_tokenizer_is_byte_level_with_single_digit_tokens(tokenizer) -> None:
 def test_a_word_is_the_same_tokens_wherever_it_stands_also_after_reloading(
     tokenizer, tmp_path: Path
 ) -> None:
-    tokenizer.save_pretrained(tmp_path)
+    save_tokenizer(tokenizer, tmp_path)
+    # A class name transformers 4 knows too ("TokenizersBackend" is transformers 5's); without a
+    # config.json beside it, AutoTokenizer goes by that name.
+    saved_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert saved_config["tokenizer_class"] == PORTABLE_TOKENIZER_CLASS
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
     for loaded in (tokenizer, reloaded):
 
@@ -157,6 +163,8 @@ def test_base_checkpoint_is_a_loadable_hugging_face_folder(tiny_base: Path) -> N
     base_checkpoint = tiny_base
     for name in ["config.json", "model.safetensors", "tokenizer.json", "generation_config.json"]:
         assert (base_checkpoint / name).is_file(), name
+    tokenizer_config = json.loads((base_checkpoint / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == PORTABLE_TOKENIZER_CLASS
     tokenizer = AutoTokenizer.from_pretrained(base_checkpoint)
     model = AutoModelForCausalLM.from_pretrained(base_checkpoint)
     policy, policy_tokenizer = load_policy(base_checkpoint)
