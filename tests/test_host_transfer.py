@@ -34,6 +34,7 @@ from protocol.host import (
     PeerConnectError,
     SwarmHost,
     _CancelSafeRawConnection,
+    _PartialWriter,
     _StreamBuffer,
 )
 from protocol.identity import load_or_create_identity
@@ -447,3 +448,45 @@ def test_stream_buffer_answers_as_a_bytearray_would_and_keeps_no_mutable_input()
     assert len(buffer) == 0 and not buffer and bytes(buffer) == b""
     with pytest.raises(TypeError):
         buffer[0]  # noqa: B018
+
+
+# Download writer: batches are written and hashed in order in a worker thread
+
+
+class _FailingFile:
+    """A file whose write fails after `good_writes` writes."""
+
+    def __init__(self, good_writes: int) -> None:
+        self.written = bytearray()
+        self.good_writes = good_writes
+
+    def write(self, data: memoryview) -> int:
+        if self.good_writes == 0:
+            raise OSError(28, "No space left on device")
+        self.good_writes -= 1
+        self.written += data
+        return len(data)
+
+
+def test_partial_writer_writes_in_order_and_keeps_a_prefix_when_a_write_fails() -> None:
+    batches = [bytes([n]) * 1000 for n in range(1, 12)]
+
+    async def write_all(target: Any, digest: Any) -> None:
+        writer = _PartialWriter(target, digest, 1000)
+        for batch in batches:
+            buffer = await writer.free_buffer()
+            buffer[: len(batch)] = batch
+            writer.write(buffer, len(batch) if batch is not batches[-1] else 10)
+        await writer.finish()
+
+    whole, digest = _FailingFile(good_writes=100), hashlib.sha256()
+    trio.run(write_all, whole, digest)
+    expected = b"".join(batches[:-1]) + batches[-1][:10]
+    assert bytes(whole.written) == expected
+    assert digest.hexdigest() == hashlib.sha256(expected).hexdigest()
+
+    cut, digest = _FailingFile(good_writes=3), hashlib.sha256()
+    with pytest.raises(OSError, match="No space left"):
+        trio.run(write_all, cut, digest)
+    assert bytes(cut.written) == b"".join(batches[:3])  # nothing after the failed batch
+    assert digest.hexdigest() == hashlib.sha256(b"".join(batches[:3])).hexdigest()
