@@ -216,7 +216,7 @@ def build_tokenizer(
 # tokenizer_config.json, a class transformers 4 does not have, so its AutoTokenizer refuses the
 # folder. Both versions load a tokenizer.json unchanged under this name.
 PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
-_VERSION_SPECIFIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend"})
+_TRANSFORMERS5_ONLY_TOKENIZER_CLASS = "TokenizersBackend"
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> None:
@@ -225,7 +225,7 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> No
     tokenizer.save_pretrained(folder)
     config_path = Path(folder) / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    if config.get("tokenizer_class") in _VERSION_SPECIFIC_TOKENIZER_CLASSES:
+    if config.get("tokenizer_class") == _TRANSFORMERS5_ONLY_TOKENIZER_CLASS:
         config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASS
         config_path.write_text(
             json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n",

@@ -6,8 +6,6 @@ synchronous interface: signed gossip on one topic, and the `/skillswarm/blob/1.0
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import logging
 import queue
@@ -27,7 +25,6 @@ from typing import Any, BinaryIO, TypeVar
 
 import msgpack
 import multiaddr
-import outcome
 import trio
 from cryptography.exceptions import InvalidTag
 from libp2p import new_host
@@ -1357,29 +1354,19 @@ class SwarmHost:
         self, stream: INetStream, blob_file: BinaryIO, length: int, sha256: str
     ) -> None:
         """Send `length` bytes of the file from where it stands, BLOB_CHUNK_BYTES at a time,
-        from two buffers reused for every chunk: a worker thread reads the next chunk into one
-        while the other is sent."""
-        size = min(length, BLOB_CHUNK_BYTES)
-        buffers = [memoryview(bytearray(size)) for _ in range(2)]
-        reader = _ChunkReader(blob_file)
-        remaining = length
-        reader.start(buffers[0][: min(remaining, size)])
-        try:
+        read in a worker thread into one buffer reused for every chunk."""
+        with memoryview(bytearray(min(length, BLOB_CHUNK_BYTES))) as buffer:
+            remaining = length
             while remaining > 0:
-                count = await reader.result()
+                wanted = buffer[: min(remaining, len(buffer))]
+                count = await trio.to_thread.run_sync(blob_file.readinto, wanted)
                 if not count:
                     raise OSError(f"blob {sha256} shrank while being served")
-                remaining -= count
-                chunk = buffers[0][:count]
-                if remaining > 0:
-                    reader.start(buffers[1][: min(remaining, size)])
                 # A peer that stops reading must not hold its stream slot forever.
                 with trio.fail_after(BLOB_WRITE_STALL_TIMEOUT_S):
-                    await stream.write(chunk)  # type: ignore[arg-type]
+                    await stream.write(wanted[:count])  # type: ignore[arg-type]
+                remaining -= count
                 self._bytes_served += count
-                buffers.reverse()
-        finally:
-            await reader.settle()
 
     async def _fetch_blob(self, remote: ID, sha256: str, size: int, timeout: float) -> Path:
         async with self._blob_fetch_lock(sha256):
@@ -1766,44 +1753,6 @@ class _PartialWriter:
                 except BaseException as error:  # handed to the event loop, not lost here
                     self._error = error
             self._token.run_sync_soon(self._free_send.send_nowait, buffer)
-
-
-class _ChunkReader:
-    """Reads a file chunk by chunk in a worker thread (`readinto`), one read at a time, so that
-    the event loop sends one chunk while the next is read."""
-
-    def __init__(self, blob_file: BinaryIO) -> None:
-        self._file = blob_file
-        self._token = trio.lowlevel.current_trio_token()
-        self._done: trio.Event | None = None
-        self._outcome: outcome.Outcome[int] | None = None
-
-    def start(self, target: memoryview) -> None:
-        """Start reading into `target`; leave it alone until `result` returns."""
-        assert self._done is None, "one read at a time"
-        done = self._done = trio.Event()
-
-        def deliver(result: outcome.Outcome[int]) -> None:
-            self._outcome = result
-            self._token.run_sync_soon(done.set)
-
-        trio.lowlevel.start_thread_soon(functools.partial(self._file.readinto, target), deliver)
-
-    async def result(self) -> int:
-        """The byte count of the read started last (its error raised). A local read is short,
-        so a cancellation waits for it: the file and the buffer stay in use until it ends."""
-        assert self._done is not None, "no read started"
-        with trio.CancelScope(shield=True):
-            await self._done.wait()
-        self._done = None
-        assert self._outcome is not None
-        return int(self._outcome.unwrap())
-
-    async def settle(self) -> None:
-        """Wait for a read still running, ignoring its outcome (the transfer has ended)."""
-        if self._done is not None:
-            with contextlib.suppress(Exception):
-                await self.result()
 
 
 def _file_size(blob_file: Any) -> int:
