@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import queue
 import random
 import socket
@@ -112,6 +113,10 @@ MESSAGE_QUEUE_CAPACITY = 10_000
 BLOB_CHUNK_BYTES = 1 << 20
 # Buffers of BLOB_CHUNK_BYTES a download fills while full ones are written and hashed.
 BLOB_WRITE_BUFFERS = 4
+# A download's partial file is synced to disk every BLOB_SYNC_BYTES as it grows, so that the
+# commit's fsync finds little left to write (a 256 MiB blob's one fsync took 70-80 ms here, a
+# seventh of its transfer) and a crash keeps a durable prefix to resume from.
+BLOB_SYNC_BYTES = 16 << 20
 MAX_BLOB_REQUEST_BYTES = 1024
 MAX_BLOB_RESPONSE_HEADER_BYTES = 4096
 BLOB_REQUEST_READ_TIMEOUT_S = 30.0
@@ -1696,8 +1701,10 @@ class _PartialWriter:
     Disk writes and sha256 both release the GIL: in a thread they overlap the receiving of the
     next batches instead of holding up the host's event loop (about 0.6 ms of CPU per MiB, as
     much as the rest of the receiving). Several buffers let a slow write or a late network read
-    pass without stalling the other side. After a failed write nothing more is written, so the
-    file holds a correct prefix; the error is raised by the next `free_buffer` or by `finish`.
+    pass without stalling the other side. Every BLOB_SYNC_BYTES the file is synced to disk, in
+    the same thread, so that writeback overlaps the transfer too. After a failed write nothing
+    more is written, so the file holds a correct prefix; the error is raised by the next
+    `free_buffer` or by `finish`.
     """
 
     def __init__(self, partial_file: BinaryIO, digest: hashlib._Hash, buffer_bytes: int) -> None:
@@ -1743,6 +1750,7 @@ class _PartialWriter:
             raise self._error
 
     def _work(self) -> None:
+        unsynced = 0
         while (job := self._jobs.get()) is not None:
             buffer, length = job
             if self._error is None:
@@ -1750,9 +1758,18 @@ class _PartialWriter:
                     with buffer[:length] as batch:
                         self._file.write(batch)
                         self._digest.update(batch)
+                    unsynced += length
+                    if unsynced >= BLOB_SYNC_BYTES:
+                        self._file.flush()
+                        _sync_data(self._file.fileno())
+                        unsynced = 0
                 except BaseException as error:  # handed to the event loop, not lost here
                     self._error = error
             self._token.run_sync_soon(self._free_send.send_nowait, buffer)
+
+
+# fdatasync where the platform has it (it skips metadata such as the modification time).
+_sync_data: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
 
 
 def _file_size(blob_file: Any) -> int:

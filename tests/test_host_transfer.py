@@ -490,3 +490,35 @@ def test_partial_writer_writes_in_order_and_keeps_a_prefix_when_a_write_fails() 
         trio.run(write_all, cut, digest)
     assert bytes(cut.written) == b"".join(batches[:3])  # nothing after the failed batch
     assert digest.hexdigest() == hashlib.sha256(b"".join(batches[:3])).hexdigest()
+
+
+def test_partial_writer_syncs_the_file_as_it_grows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every BLOB_SYNC_BYTES written, the partial file is synced with all of it on disk, so the
+    commit's fsync has little left and a crash keeps a durable prefix."""
+    import protocol.host as host_module
+
+    synced_sizes: list[int] = []
+
+    def record_sync(descriptor: int) -> None:
+        os.fsync(descriptor)
+        synced_sizes.append(os.fstat(descriptor).st_size)
+
+    monkeypatch.setattr(host_module, "BLOB_SYNC_BYTES", 3000)
+    monkeypatch.setattr(host_module, "_sync_data", record_sync)
+    batches = [bytes([n]) * 1000 for n in range(1, 11)]
+
+    async def write_all(partial_file: Any) -> None:
+        writer = _PartialWriter(partial_file, hashlib.sha256(), 1000)
+        for batch in batches:
+            buffer = await writer.free_buffer()
+            buffer[: len(batch)] = batch
+            writer.write(buffer, len(batch))
+        await writer.finish()
+
+    partial = tmp_path / "blob.partial"
+    with open(partial, "ab") as partial_file:
+        trio.run(write_all, partial_file)
+    assert synced_sizes == [3000, 6000, 9000]
+    assert partial.read_bytes() == b"".join(batches)
