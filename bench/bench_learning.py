@@ -4,7 +4,8 @@ success after on the same tasks, and the gain in points. Exits 1 when any gain i
 
 Run: `python bench/bench_learning.py [--minutes 10] [--domains math,code,search] [--base PATH]
 [--eval-tasks 128] [--min-gain 15] [--json results.json]`, plus overrides of the recipes'
-settings (`--help` lists them: temperature, learning rate, optimizer, loss fields…). Without
+settings (`--help` lists them: temperature, learning rate, optimizer, tasks per step, group
+size, loss fields…). Without
 --base it builds the default
 base as `skillswarm bootstrap` does (math, code and search, MULTI_DOMAIN_WARM_START_STEPS and
 DEFAULT_DOMAIN_WEIGHTS, the machine's cores) and times that too. Domains run one after another
@@ -226,6 +227,10 @@ def _with_overrides(recipe: RLConfig, args: argparse.Namespace) -> RLConfig:
         settings["optimizer"] = args.optimizer
     if args.adam_eps is not None:
         settings["adam_eps"] = args.adam_eps
+    if args.tasks_per_step is not None:
+        settings["tasks_per_step"] = args.tasks_per_step
+    if args.samples_per_task is not None:
+        settings["samples_per_task"] = args.samples_per_task
     for option in args.loss:
         name, separator, value = option.partition("=")
         if not separator or name.strip() not in LossConfig.model_fields:
@@ -254,6 +259,10 @@ def main() -> int:
     )
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), help="RL optimizer (all domains)")
     parser.add_argument("--adam-eps", type=float, help="AdamW's epsilon (all domains)")
+    parser.add_argument("--tasks-per-step", type=int, help="tasks per RL step (all domains)")
+    parser.add_argument(
+        "--samples-per-task", type=int, help="episodes per task, the group size (all domains)"
+    )
     parser.add_argument(
         "--loss",
         action="append",
