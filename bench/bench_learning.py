@@ -3,17 +3,15 @@ before, RL with the domain's recipe (`node.recipes`) for a wall-clock budget, gr
 success after on the same tasks, and the gain in points. Exits 1 when any gain is below the bar.
 
 Run: `python bench/bench_learning.py [--minutes 10] [--domains math,code,search] [--base PATH]
-[--eval-tasks 128] [--min-gain 15] [--json results.json]`, plus overrides of the recipes'
-settings (`--help` lists them: temperature, learning rate, optimizer, tasks per step, group
-size, loss fields…). Without
---base it builds the default
-base as `skillswarm bootstrap` does (math, code and search, MULTI_DOMAIN_WARM_START_STEPS and
-DEFAULT_DOMAIN_WEIGHTS, the machine's cores) and times that too. Domains run one after another
-from the same base, each with one torch thread per pipeline thread (rollout producers and
-trainer), so a run uses the machine's two cores. Held-out success is also reported sampled at the
-recipe's temperature (one episode per task), the policy RL trains. Beside each wall time
-the table gives the process's CPU minutes and the load average before/after: other work on the
-machine leaves a run fewer steps in the same budget.
+[--eval-tasks 128] [--min-gain 15] [--json results.json]`, plus overrides of the recipes' settings
+(`--help` lists them: temperature, learning rate, optimizer, tasks per step, group size, loss
+fields…). Without --base it builds the default base as `skillswarm bootstrap` does (math, code and
+search, MULTI_DOMAIN_WARM_START_STEPS and DEFAULT_DOMAIN_WEIGHTS, the machine's cores) and times
+that too. Domains run one after another from the same base, each with one torch thread per pipeline
+thread (rollout producers and trainer), so a run uses the machine's two cores. Held-out success is
+also reported sampled at the recipe's temperature (one episode per task), the policy RL trains.
+Beside each wall time the table gives the process's CPU minutes and the load average before/after:
+other work on the machine leaves a run fewer steps in the same budget.
 """
 
 from __future__ import annotations
