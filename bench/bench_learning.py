@@ -5,10 +5,11 @@ success after on the same tasks, and the gain in points. Exits 1 when any gain i
 Run: `python bench/bench_learning.py [--minutes 10] [--domains math,code,search] [--base PATH]
 [--eval-tasks 128] [--min-gain 15] [--json results.json]`, plus overrides of the recipes' settings
 (`--help` lists them: temperature, learning rate, optimizer, tasks per step, group size, loss
-fields…). Without --base it builds the default base as `skillswarm bootstrap` does (math, code and
-search, MULTI_DOMAIN_WARM_START_STEPS and DEFAULT_DOMAIN_WEIGHTS, the machine's cores) and times
-that too. Domains run one after another from the same base, each with one torch thread per pipeline
-thread (rollout producers and trainer), so a run uses the machine's two cores. Held-out success is
+fields…). Without --base it builds the default base as `skillswarm bootstrap` does (copy
+pretraining, then math, code and search with MULTI_DOMAIN_WARM_START_STEPS and
+DEFAULT_DOMAIN_WEIGHTS, the machine's cores) and times that too. Domains run one after another
+from the same base, each with one torch thread per pipeline thread (rollout producers and
+trainer), so a run uses the machine's two cores. Held-out success is
 also reported sampled at the recipe's temperature (one episode per task), the policy RL trains.
 Beside each wall time the table gives the process's CPU minutes and the load average before/after:
 other work on the machine leaves a run fewer steps in the same budget.
@@ -32,6 +33,7 @@ from node.evaluate import EvalResult, evaluate_checkpoint
 from node.loss import LossConfig
 from node.model import (
     DEFAULT_DOMAIN_WEIGHTS,
+    MULTI_DOMAIN_COPY_STEPS,
     MULTI_DOMAIN_WARM_START_STEPS,
     build_threads,
     create_base_checkpoint,
@@ -283,8 +285,8 @@ def main() -> int:
     base_timing: dict[str, float] | None = None
     if base is None:
         print(
-            f"building the default base ({MULTI_DOMAIN_WARM_START_STEPS} warm-start steps on "
-            f"{', '.join(BOOTSTRAP_DOMAINS)}; load {load_average():.1f})…",
+            f"building the default base (copy pretraining, then {MULTI_DOMAIN_WARM_START_STEPS} "
+            f"warm-start steps on {', '.join(BOOTSTRAP_DOMAINS)}; load {load_average():.1f})…",
             flush=True,
         )
         started, cpu_started = time.perf_counter(), time.process_time()
@@ -295,6 +297,7 @@ def main() -> int:
             domains=BOOTSTRAP_DOMAINS,
             num_threads=build_threads(),
             domain_weights=DEFAULT_DOMAIN_WEIGHTS,
+            copy_steps=MULTI_DOMAIN_COPY_STEPS,
         )
         set_torch_threads(1)  # the RL runs take one thread per pipeline thread
         base_timing = {

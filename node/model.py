@@ -6,6 +6,7 @@ start on environment demonstrations. Also loads any Hugging Face causal-LM folde
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -52,17 +53,17 @@ TOKENIZER_CORPUS_TASKS = 2000
 # numbers into calculator calls between steps 340 and 440 (one thread, batch 16); after 520 steps
 # it solved 14 of 32 held-out tasks greedily, after 220 one.
 DEFAULT_WARM_START_STEPS = 480
-# The warm start `skillswarm bootstrap` gives: 1,200 steps on all three domains, most of them search
-# (copying made-up names of a world it never saw into searches needs well over 10,000 search
-# demonstrations), few of code (which saturates fast). On 2 cores it takes about 21 minutes and
-# leaves greedy held-out success at math 36.7%, code 3.9%, search 91.4% (see the README). With
-# Qwen2's own pre-tokenizer, whose words carry the character before them, the same run left
-# math 2.3%, code 7.0%, search 35.9% in 14 minutes.
-MULTI_DOMAIN_WARM_START_STEPS = 1200
+# The base `skillswarm bootstrap` gives: copy pretraining (node.pretrain) until the model copies
+# 90% of a held-out batch of repeated words right (at most MULTI_DOMAIN_COPY_STEPS steps; about
+# 800 here), then 300 warm-start steps on all three domains. Without the copy pretraining, copying
+# names and numbers arrived only after 850 to over 1,400 warm-start steps, abruptly, and where in
+# that range depended on the machine (a 1,200-step run left search at 91.4% on one machine and 0%
+# on another); after it, each domain rises smoothly within a few hundred steps, so a short warm
+# start leaves RL room on every domain. Greedy held-out success of that base: see the README.
+MULTI_DOMAIN_WARM_START_STEPS = 300
+MULTI_DOMAIN_COPY_STEPS = 2000
 # Each domain's share of those steps' demonstrations.
-DEFAULT_DOMAIN_WEIGHTS: dict[str, float] = {"math": 1.9, "code": 0.25, "search": 20.0}
-# The full demo's quicker base: equal shares, a few minutes on a laptop (no search success yet).
-DEMO_WARM_START_STEPS = 350
+DEFAULT_DOMAIN_WEIGHTS: dict[str, float] = {"math": 4.0, "code": 1.0, "search": 12.0}
 DEFAULT_WARM_START_BATCH_SIZE = 16
 DEFAULT_WARM_START_LR = 1.5e-3
 
@@ -302,11 +303,16 @@ def create_base_checkpoint(
     tokenizer_corpus_tasks: int = TOKENIZER_CORPUS_TASKS,
     domain_weights: Mapping[str, float] | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    copy_steps: int = 0,
+    on_copy_check: Callable[[int, float], None] | None = None,
 ) -> Path:
     """Build the tokenizer and tiny model, warm-start them on the domains' solver demonstrations
     and save a Hugging Face folder at `out_dir`. `domain_weights` sets each domain's share of the
-    demonstrations (a domain not named weighs 1; None: equal shares). The same seed and thread
+    demonstrations (a domain not named weighs 1; None: equal shares). With `copy_steps`, the model
+    is first copy-pretrained (`node.pretrain`) for at most that many steps, on the words of the
+    tokenizer's corpus; `on_copy_check(step, accuracy)` sees its checks. The same seed and thread
     count give the same checkpoint."""
+    from node.pretrain import copy_pretraining, corpus_words
     from node.train import check_mix_weights, supervised_warm_start
 
     weights = None
@@ -324,6 +330,12 @@ def create_base_checkpoint(
     corpus += render_demonstrations(template_only, environments, tokenizer_corpus_tasks, seed)
     tokenizer = build_tokenizer(corpus)
     model = build_tiny_model(tokenizer, seed=seed)
+    copied = None
+    if copy_steps:
+        words = corpus_words(corpus[len(TEMPLATE_FIXED_STRINGS) :])
+        copied = copy_pretraining(
+            model, tokenizer, words, copy_steps, seed=seed, on_check=on_copy_check
+        )
     losses = supervised_warm_start(
         model,
         tokenizer,
@@ -347,6 +359,8 @@ def create_base_checkpoint(
         "warm_start_batch_size": warm_start_batch_size,
         "warm_start_lr": warm_start_lr,
         "warm_start_final_loss": losses[-1] if losses else None,
+        "copy_pretraining_steps": 0 if copied is None else copied.steps,
+        "copy_accuracy": None if copied is None or math.isnan(copied.accuracy) else copied.accuracy,
     }
     (out_dir / "skillswarm_base.json").write_text(json.dumps(provenance, indent=2) + "\n")
     return out_dir

@@ -80,7 +80,13 @@ class RLConfig(BaseModel):
         description="where the trainer's model lives: cpu, cuda, cuda:1…; auto: "
         "cuda when a GPU is visible",
     )
-    micro_batch_size: int = Field(default=32, ge=1)
+    micro_batch_size: int = Field(default=32, ge=1, description="most samples in one forward")
+    micro_batch_tokens: int = Field(
+        default=8192,
+        ge=1,
+        description="most padded tokens in one forward: samples go in by length, so that short "
+        "ones are not padded to long ones",
+    )
     max_grad_norm: float = Field(default=1.0, gt=0)
     checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0: off")
     keep_checkpoints: int = Field(default=2, ge=1)
@@ -267,6 +273,7 @@ class AsyncRLRun:
             loss=config.loss,
             max_grad_norm=config.max_grad_norm,
             micro_batch_size=config.micro_batch_size,
+            micro_batch_tokens=config.micro_batch_tokens,
             reference_model=reference_model,
             optimizer=config.optimizer,
             adam_eps=config.adam_eps,

@@ -118,6 +118,9 @@ class TestRunReport:
     total: int
     first_failure: str | None
     error: str | None
+    # True when a limit or a signal stopped the run (wall or CPU time, file size, a kill): the
+    # same code may report otherwise on a less loaded machine.
+    stopped_by_limit: bool = False
 
     @property
     def fraction(self) -> float:
@@ -950,8 +953,28 @@ def run_tests_in_sandbox(
     types before the tests see it."""
     if not tests:
         raise SandboxConfigError("at least one test is needed")
+    (report,) = run_test_groups_in_sandbox(code, [tests], entry_point, setup=setup, limits=limits)
+    return report
+
+
+def run_test_groups_in_sandbox(
+    code: str,
+    groups: Sequence[Sequence[str]],
+    entry_point: str,
+    *,
+    setup: str = "",
+    limits: SandboxLimits = DEFAULT_LIMITS,
+) -> list[TestRunReport]:
+    """`run_tests_in_sandbox` for several groups of tests in one run, one report per group: the
+    cost of a run is mostly starting its two processes, whatever the number of tests. The groups'
+    tests run in order, and each group's report is the one a run of that group alone gives,
+    unless a limit stops the run: then the tests it did not reach fail with the reason, in
+    whichever group they are, and every report says `stopped_by_limit`."""
+    if not groups or any(not group for group in groups):
+        raise SandboxConfigError("every group needs at least one test")
     if not entry_point.isidentifier():
         raise SandboxConfigError(f"entry_point {entry_point!r} is not a Python identifier")
+    tests = [test for group in groups for test in group]
     token = secrets.token_hex(16)
     request_read, request_write = os.pipe()
     response_read, response_write = os.pipe()
@@ -965,7 +988,7 @@ def run_tests_in_sandbox(
         {
             "role": "tests",
             "token": token,
-            "tests": list(tests),
+            "tests": tests,
             "request_fd": request_write,
             "response_fd": response_read,
             "report_fd": report_write,
@@ -997,18 +1020,19 @@ def run_tests_in_sandbox(
             report_write,
         ),
     )
-    return _read_report(bytes(report.data), token, tests, outcome, limits)
+    return _read_reports(bytes(report.data), token, groups, outcome, limits)
 
 
-def _read_report(
+def _read_reports(
     report: bytes,
     token: str,
-    tests: Sequence[str],
+    groups: Sequence[Sequence[str]],
     outcome: _RunOutcome,
     limits: SandboxLimits,
-) -> TestRunReport:
-    """Turn the runner's token-prefixed records into a TestRunReport; anything without the
-    token is ignored."""
+) -> list[TestRunReport]:
+    """Turn the runner's token-prefixed records (tests numbered across all groups) into one
+    TestRunReport per group; anything without the token is ignored."""
+    count = sum(len(group) for group in groups)
     failures: dict[int, str] = {}
     passed: set[int] = set()
     load_error: str | None = None
@@ -1029,30 +1053,42 @@ def _read_report(
             kind in ("pass", "fail")
             and len(record) >= 2
             and isinstance(record[1], int)
-            and 0 <= record[1] < len(tests)
+            and 0 <= record[1] < count
         ):
             if kind == "pass":
                 passed.add(record[1])
             else:
                 failures[record[1]] = str(record[2]) if len(record) > 2 else "failed"
-    total = len(tests)
     if load_error is not None:
-        return TestRunReport(0, total, None, load_error)
+        return [TestRunReport(0, len(group), None, load_error) for group in groups]
     runner, candidate = outcome.children
-    error: str | None = None
+    run_error: str | None = None
+    unfinished: set[int] = set()
+    stopped = outcome.timed_out
     if not done:
-        error = _unfinished_reason(runner, outcome.timed_out, limits)
-        for index in range(total):
-            if index not in passed and index not in failures:
-                failures[index] = error
+        stopped = stopped or _killed_reason(runner.returncode, False, limits) is not None
+        run_error = _unfinished_reason(runner, outcome.timed_out, limits)
+        unfinished = {i for i in range(count) if i not in passed and i not in failures}
+        failures.update(dict.fromkeys(unfinished, run_error))
     candidate_reason = _killed_reason(candidate.returncode, False, limits)
-    if error is None and candidate_reason and candidate_reason != "killed by SIGKILL":
-        error = f"the function's process was stopped: {candidate_reason}"
-    first_failure = None
-    if failures:
-        index = min(failures)
-        first_failure = f"{_test_label(tests, index)} -> {failures[index]}"
-    return TestRunReport(len(passed), total, first_failure, error)
+    candidate_error = None
+    if run_error is None and candidate_reason and candidate_reason != "killed by SIGKILL":
+        candidate_error = f"the function's process was stopped: {candidate_reason}"
+        stopped = True
+    reports: list[TestRunReport] = []
+    first = 0
+    for group in groups:
+        indices = range(first, first + len(group))
+        first += len(group)
+        failed = [i for i in indices if i in failures]
+        first_failure = None
+        if failed:
+            local = failed[0] - indices.start
+            first_failure = f"{_test_label(group, local)} -> {failures[failed[0]]}"
+        error = run_error if unfinished & set(indices) else candidate_error if failed else None
+        passes = sum(i in passed for i in indices)
+        reports.append(TestRunReport(passes, len(group), first_failure, error, stopped))
+    return reports
 
 
 def _unfinished_reason(runner: _ChildOutcome, timed_out: bool, limits: SandboxLimits) -> str:

@@ -109,6 +109,29 @@ def token_logprobs(
     return torch.nn.functional.pad(picked, (start, 0))
 
 
+def length_sorted_micro_batches(
+    lengths: Sequence[int], max_rows: int, max_tokens: int
+) -> list[list[int]]:
+    """Row indices in micro-batches of similar length: sorted by length, each micro-batch at most
+    `max_rows` rows whose padded size (rows x its longest row) stays within `max_tokens` (a row
+    longer than that goes alone). A short row padded to a long one's length costs as much compute
+    as the long one, for nothing."""
+    if max_rows < 1 or max_tokens < 1:
+        raise ValueError("max_rows and max_tokens must be positive")
+    batches: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda row: lengths[row]):
+        current = batches[-1] if batches else None
+        if (
+            current is None
+            or len(current) >= max_rows
+            or (len(current) + 1) * lengths[index] > max_tokens
+        ):
+            batches.append([index])
+        else:
+            current.append(index)
+    return batches
+
+
 def check_mix_weights(weights: Sequence[float], count: int) -> None:
     """Raise ValueError unless `weights` are `count` finite, non-negative shares, not all 0."""
     if len(weights) != count:
@@ -238,14 +261,15 @@ class PolicyGradientTrainer:
         clip_high: float | None = None,
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 32,
+        micro_batch_tokens: int = 8192,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
         reference_model: PreTrainedModel | None = None,
         optimizer: str = "adamw",
         adam_eps: float = 1e-8,
     ) -> None:
-        if micro_batch_size < 1:
-            raise ValueError("micro_batch_size must be positive")
+        if micro_batch_size < 1 or micro_batch_tokens < 1:
+            raise ValueError("micro_batch_size and micro_batch_tokens must be positive")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
         config = loss or LossConfig()
@@ -262,6 +286,7 @@ class PolicyGradientTrainer:
         self.reference_model = reference_model
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.optimizer: torch.optim.Optimizer
         if optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(
@@ -313,8 +338,13 @@ class PolicyGradientTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         parts: list[dict[str, float]] = []
-        for start in range(0, len(rows), self.micro_batch_size):
-            part = rows[start : start + self.micro_batch_size]
+        micro_batches = length_sorted_micro_batches(
+            [len(sample.token_ids) for sample, _, _ in rows],
+            self.micro_batch_size,
+            self.micro_batch_tokens,
+        )
+        for indices in micro_batches:
+            part = [rows[index] for index in indices]
             sequences = [sample.token_ids for sample, _, _ in part]
             masks = [sample.loss_mask for sample, _, _ in part]
             input_ids, attention_mask, (old_logprobs, loss_mask, advantages) = _right_padded(

@@ -201,21 +201,32 @@ def bootstrap(
             "(unnamed: 1) [default: the recommended shares]"
         ),
     ] = None,
+    copy_steps: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="most copy-pretraining steps before the warm start, which stops once the model "
+            "copies well; 0: none [default: the recommended budget]",
+        ),
+    ] = None,
     seed: int = 0,
     eval_tasks: Annotated[int, typer.Option(min=0, help="held-out tasks per domain; 0: skip")] = 64,
     threads: Annotated[
         int | None, typer.Option(min=1, help="torch threads (default: the cores, up to 4)")
     ] = None,
 ) -> None:
-    """Build the embedded base: tiny model and tokenizer, warm-started on solver demonstrations."""
+    """Build the embedded base: tiny model and tokenizer, copy-pretrained, then warm-started on
+    solver demonstrations."""
     from node.envs import UnknownEnvironmentError
     from node.evaluate import evaluate_checkpoint
     from node.model import (
         DEFAULT_DOMAIN_WEIGHTS,
+        MULTI_DOMAIN_COPY_STEPS,
         MULTI_DOMAIN_WARM_START_STEPS,
         build_threads,
         create_base_checkpoint,
     )
+    from node.pretrain import COPY_TARGET_ACCURACY
 
     chosen = [domain.strip() for domain in domains.split(",") if domain.strip()]
     if weights is None:
@@ -224,19 +235,36 @@ def bootstrap(
         shares = parse_domain_weights(weights, chosen)
     if steps is None:
         steps = MULTI_DOMAIN_WARM_START_STEPS
+    if copy_steps is None:
+        copy_steps = MULTI_DOMAIN_COPY_STEPS
     try:
         described = ", ".join(f"{d} ×{shares.get(d, 1.0):g}" for d in chosen)
-        console.print(f"building the base on {described} ({steps} warm-start steps)…")
+        console.print(
+            f"building the base on {described} (copy pretraining until {COPY_TARGET_ACCURACY:.0%} "
+            f"of a held-out batch is copied right, at most {copy_steps} steps; then {steps} "
+            "warm-start steps)…"
+        )
         with Progress(
-            TextColumn("warm start"),
+            TextColumn("{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=console,
         ) as progress:
-            bar = progress.add_task("warm start", total=steps, loss="-")
+            copying = progress.add_task("copy pretraining", total=copy_steps, status="")
+            bar = progress.add_task("warm start", total=steps, status="", start=False)
+
+            def copy_checked(step: int, accuracy: float) -> None:
+                progress.update(copying, completed=step, status=f"copied {accuracy:.1%}")
+
+            def warm_step(step: int, loss: float) -> None:
+                if step == 1:
+                    progress.update(copying, total=progress.tasks[copying].completed)
+                    progress.start_task(bar)
+                progress.update(bar, completed=step, status=f"loss {loss:.3f}")
+
             path = create_base_checkpoint(
                 out,
                 seed=seed,
@@ -244,7 +272,9 @@ def bootstrap(
                 domains=chosen,
                 num_threads=threads or build_threads(),
                 domain_weights=shares,
-                on_step=lambda step, loss: progress.update(bar, completed=step, loss=f"{loss:.3f}"),
+                on_step=warm_step,
+                copy_steps=copy_steps,
+                on_copy_check=copy_checked,
             )
     except UnknownEnvironmentError as exc:
         _fail(exc)

@@ -28,7 +28,11 @@ from rich.table import Table
 from coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
 from merge.methods import MergeSpec
 from node.config import NodeConfig
-from node.model import DEMO_WARM_START_STEPS
+from node.model import (
+    DEFAULT_DOMAIN_WEIGHTS,
+    MULTI_DOMAIN_COPY_STEPS,
+    MULTI_DOMAIN_WARM_START_STEPS,
+)
 from node.pipeline import RLConfig
 from protocol.tomlconfig import write_toml_config
 
@@ -106,7 +110,8 @@ DOMAINS: tuple[str, ...] = ("math", "code", "search")
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """How big a demo run is: the base's warm start, RL steps per round, evaluation size."""
+    """How big a demo run is: the base's copy pretraining and warm start, RL steps per round,
+    evaluation size."""
 
     warm_start_steps: int | None
     tokenizer_corpus_tasks: int | None
@@ -116,11 +121,14 @@ class DemoSettings:
     eval_tasks: int
     rounds: int
     candidates: tuple[MergeSpec, ...]
+    copy_steps: int = 0
+    domain_weights: dict[str, float] | None = None
 
 
 def demo_settings(quick: bool, steps: int | None, eval_tasks: int | None) -> DemoSettings:
-    """The full demo, or `--quick`: a briefly warm-started base and a couple of RL steps, so
-    the whole swarm runs its two rounds in a few minutes."""
+    """The full demo, on the base `skillswarm bootstrap` builds, or `--quick`: a briefly
+    warm-started base (no copy pretraining) and a couple of RL steps, so the whole swarm runs its
+    two rounds in a few minutes."""
     candidates = (
         MergeSpec(method="ties", parameters={"weight": 1.0, "density": 0.5}),
         MergeSpec(method="linear", parameters={"weight": 1.0}),
@@ -128,7 +136,16 @@ def demo_settings(quick: bool, steps: int | None, eval_tasks: int | None) -> Dem
     if quick:
         return DemoSettings(100, 200, steps or 2, 4, 4, eval_tasks or 6, 2, candidates)
     return DemoSettings(
-        DEMO_WARM_START_STEPS, None, steps or 10, 8, 4, eval_tasks or 32, 2, candidates
+        MULTI_DOMAIN_WARM_START_STEPS,
+        None,
+        steps or 10,
+        8,
+        4,
+        eval_tasks or 32,
+        2,
+        candidates,
+        copy_steps=MULTI_DOMAIN_COPY_STEPS,
+        domain_weights=dict(DEFAULT_DOMAIN_WEIGHTS),
     )
 
 
@@ -198,8 +215,25 @@ def run_demo(
             options["warm_start_steps"] = settings.warm_start_steps
         if settings.tokenizer_corpus_tasks is not None:
             options["tokenizer_corpus_tasks"] = settings.tokenizer_corpus_tasks
-        with console.status("building the embedded base model (tokenizer, tiny Qwen2, warm start)"):
-            create_base_checkpoint(base, **options)
+        if settings.domain_weights is not None:
+            options["domain_weights"] = settings.domain_weights
+        with console.status("building the embedded base model (tokenizer, tiny Qwen2)") as status:
+
+            def copied(step: int, accuracy: float) -> None:
+                status.update(f"copy pretraining: step {step}, {accuracy:.1%} copied right")
+
+            def warmed(step: int, loss: float) -> None:
+                status.update(
+                    f"warm start: step {step}/{settings.warm_start_steps}, loss {loss:.3f}"
+                )
+
+            create_base_checkpoint(
+                base,
+                copy_steps=settings.copy_steps,
+                on_copy_check=copied,
+                on_step=warmed,
+                **options,
+            )
     console.print(f"base checkpoint: {base}")
     for stale in [
         workdir / "coordinator",

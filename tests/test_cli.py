@@ -92,6 +92,7 @@ def test_bootstrap_shares_demonstrations_by_weight_and_refuses_bad_weights(tmp_p
     built = _cli(
         "bootstrap", str(out), "--steps", "2", "--domains", "math,code",
         "--weights", "math=2.5, code=1", "--eval-tasks", "0", "--threads", "1",
+        "--copy-steps", "3",
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
     assert built.stdout.strip().endswith(str(out))
@@ -99,6 +100,9 @@ def test_bootstrap_shares_demonstrations_by_weight_and_refuses_bad_weights(tmp_p
     provenance = json.loads((out / "skillswarm_base.json").read_text())
     assert provenance["domain_weights"] == [2.5, 1.0]
     assert provenance["warm_start_steps"] == 2
+    assert provenance["copy_pretraining_steps"] == 3
+    assert 0 <= provenance["copy_accuracy"] < 0.9  # three steps copy next to nothing
+    assert "copy pretraining" in built.stderr
     refused = _cli("bootstrap", str(tmp_path / "no"), "--domains", "math", "--weights", "code=3")
     assert refused.returncode == 2, refused.stderr
     assert "'code' is not one of the domains" in refused.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ from node.envs.code import (
     CodeEnvironment,
     NoReferenceSolutionError,
     TaskFileError,
+    TestReportMemo,
     strip_code_fences,
 )
 from node.model import TEMPLATE_FIXED_STRINGS, build_tokenizer
+from node.sandbox import TestRunReport
 from node.tools import ToolCall, ToolResult, execute_tool_call, parse_tool_calls, tool_messages
 
 
@@ -314,3 +317,78 @@ def test_missing_or_empty_task_file_is_a_clear_error(tmp_path: Path) -> None:
         CodeEnvironment(tasks_file=tmp_path / "empty.jsonl")
     with pytest.raises(ValueError, match="cannot go with tasks_file"):
         CodeEnvironment(tasks_file=tmp_path / "empty.jsonl", families=["add"])
+
+
+def test_the_same_function_against_the_same_tests_runs_once() -> None:
+    env = CodeEnvironment()
+    task = _first_task(env, "add")
+    name = task.metadata["entry_point"]
+    wrong = f"def {name}(x):\n    return x"
+    assert env.reward(task, task.answer) == 1.0
+    assert env.reward(task, f"```python\n{task.answer}\n```") == 1.0  # fences stripped first
+    assert env.reward(task, wrong) == 0.0
+    assert (env.test_reports.runs, env.test_reports.reused) == (2, 1)
+    # The visible tests are other tests: a run of their own, then reused.
+    tools = env.bind_tools(task)
+    assert tools["run_tests"](task.answer) == tools["run_tests"](task.answer) == "passed 3/3"
+    assert (env.test_reports.runs, env.test_reports.reused) == (3, 2)
+
+
+def test_a_tested_answer_is_scored_from_the_run_of_its_test() -> None:
+    env = CodeEnvironment()
+    task = _first_task(env, "clamp")
+    name = task.metadata["entry_point"]
+    floor_only = f"def {name}(x):\n    return max(x, {name.split('_')[1]})"
+    assert env.bind_tools(task)["run_tests"](floor_only).startswith("passed ")
+    assert (env.test_reports.runs, env.test_reports.reused) == (1, 0)
+    scored = env.reward(task, floor_only)
+    assert (env.test_reports.runs, env.test_reports.reused) == (1, 1)
+    assert scored == CodeEnvironment().reward(task, floor_only)  # as a run of its own gives
+    assert 0.0 < scored < 1.0
+
+
+def test_a_run_stopped_by_its_time_limit_is_not_reused() -> None:
+    env = CodeEnvironment(wall_timeout_s=0.5)
+    task = _first_task(env, "add")
+    name = task.metadata["entry_point"]
+    looping = f"def {name}(x):\n    while True:\n        pass"
+    for _ in range(2):
+        assert env.reward(task, looping) == 0.0
+    assert (env.test_reports.runs, env.test_reports.reused) == (2, 0)
+
+
+def test_report_memo_waits_for_a_run_under_way_and_forgets_the_oldest() -> None:
+    memo = TestReportMemo(capacity=2)
+    started, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def slow_run() -> TestRunReport:
+        calls.append("slow")
+        started.set()
+        release.wait(5)
+        return TestRunReport(1, 2, "assert f(1) == 2 -> got 3", None)
+
+    key = ("code", ("assert f(1) == 2",), "f", "")
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(memo.report, key, slow_run)
+        assert started.wait(5)
+        second = pool.submit(memo.report, key, slow_run)
+        release.set()
+        assert (
+            first.result(5)
+            == second.result(5)
+            == TestRunReport(1, 2, "assert f(1) == 2 -> got 3", None)
+        )
+    assert calls == ["slow"] and (memo.runs, memo.reused) == (1, 1)
+
+    def failing_run() -> TestRunReport:
+        raise OSError("no processes left")
+
+    with pytest.raises(OSError, match="no processes left"):
+        memo.report(("other", (), "f", ""), failing_run)
+    for index in range(2):  # two more keys push the first one out
+        memo.report((f"code {index}", (), "f", ""), lambda: TestRunReport(0, 1, None, None))
+    memo.report(key, lambda: TestRunReport(2, 2, None, None))
+    assert memo.runs == 5  # the failed run counts; the first key ran again
+    with pytest.raises(ValueError, match="capacity"):
+        TestReportMemo(capacity=0)

@@ -15,6 +15,7 @@ from node.sandbox import (
     SandboxConfigError,
     SandboxLimits,
     run_python,
+    run_test_groups_in_sandbox,
     run_tests_in_sandbox,
 )
 
@@ -215,6 +216,32 @@ def test_timeout_inside_a_call_keeps_earlier_results() -> None:
     assert report.passed == 1
     assert report.error is not None
     assert report.first_failure is not None and report.first_failure.startswith("assert add_one(2)")
+
+
+def test_test_groups_in_one_run_report_as_separate_runs_would() -> None:
+    hidden = ["assert add_one(0) == 1", "assert add_one(2) == 3", "assert add_one(9) == 10"]
+    for code in (
+        ADD_ONE,
+        "def add_one(x):\n    return 2 if x == 1 else 0",
+        "def add_one(x):\n    raise ValueError('negative')",
+        "def add_one(x) return x",
+    ):
+        together = run_test_groups_in_sandbox(code, [ADD_ONE_TESTS, hidden], "add_one")
+        apart = [run_tests_in_sandbox(code, tests, "add_one") for tests in (ADD_ONE_TESTS, hidden)]
+        assert together == apart, code
+    assert together[1].first_failure is None and together[1].error is not None  # the load error
+
+    # A limit that stops the run in the second group leaves the first group's report whole.
+    looping = "def add_one(x):\n    while x == 9:\n        pass\n    return x + 1"
+    visible, stopped = run_test_groups_in_sandbox(
+        looping, [ADD_ONE_TESTS, hidden], "add_one", limits=SandboxLimits(wall_timeout_s=1.0)
+    )
+    assert (visible.passed, visible.first_failure, visible.error) == (3, None, None)
+    assert stopped.passed == 2 and "time limit of 1 s exceeded" in str(stopped.error)
+    assert str(stopped.first_failure).startswith("assert add_one(9) == 10 -> ")
+    assert visible.stopped_by_limit and stopped.stopped_by_limit
+    with pytest.raises(SandboxConfigError, match="at least one test"):
+        run_test_groups_in_sandbox(ADD_ONE, [ADD_ONE_TESTS, []], "add_one")
 
 
 FORGERIES = {

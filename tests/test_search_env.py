@@ -119,7 +119,7 @@ def test_solver_trajectories_score_full_reward_on_heldout(
                 assert task.metadata["entities"][hop + 1] in results[0].content
         hops = len(task.metadata["relations"])
         assert tool_turns == 2 * hops
-        assert turn_credit == pytest.approx(env.search_credit * hops)
+        assert turn_credit == pytest.approx((env.search_credit + env.fact_credit) * hops)
         solved += env.reward(task, env.final_answer(final_text)) == 1.0
     assert solved >= 0.99 * len(tasks)
 
@@ -444,7 +444,7 @@ def test_turn_reward_credits_each_needed_document_once(env: SearchEnvironment) -
     assert env.turn_reward(task, search(first), memory) == pytest.approx(env.search_credit)
     assert env.turn_reward(task, search(first), memory) == 0.0
     ask = ToolCall(raw="", name="ask", arguments={"doc_id": task.metadata["doc_ids"][1],
-                                                  "question": "What is it?"})  # fmt: skip
+                                                  "question": "zzqx?"})  # fmt: skip
     assert env.turn_reward(task, [execute_tool_call(ask, tools)], memory) == 0.0
     both = search(first) + search(second)
     assert env.turn_reward(task, both, memory) == pytest.approx(env.search_credit)
@@ -452,6 +452,38 @@ def test_turn_reward_credits_each_needed_document_once(env: SearchEnvironment) -
     assert memory["found_doc_ids"] == set(task.metadata["needed_doc_ids"])
     fresh = env.new_episode_memory(task)
     assert env.turn_reward(task, both, fresh) == pytest.approx(2 * env.search_credit)
+
+
+def test_turn_reward_credits_each_fact_on_the_path_once(env: SearchEnvironment) -> None:
+    task = next(t for t in env.tasks("heldout", 50) if len(t.metadata["relations"]) == 2)
+    start_id, middle_id = task.metadata["doc_ids"][:2]
+    path = set(task.metadata["entities"])
+    tools = env.bind_tools(task)
+    memory = env.new_episode_memory(task)
+
+    def ask(doc_id: str, relation: str) -> list[ToolResult]:
+        question = RELATION_QUESTIONS[relation].question.format(subject="it")
+        call = ToolCall(raw="", name="ask", arguments={"doc_id": doc_id, "question": question})
+        return [execute_tool_call(call, tools)]
+
+    start = env.world(task).entity(start_id)
+    off_path = next(
+        relation
+        for relation, target in start.links.items()
+        if env.world(task).entity(target).name not in path
+    )
+    assert env.turn_reward(task, ask(start_id, off_path), memory) == 0.0
+    first, second = task.metadata["relations"]
+    assert env.turn_reward(task, ask(start_id, first), memory) == pytest.approx(env.fact_credit)
+    assert env.turn_reward(task, ask(start_id, first), memory) == 0.0
+    assert env.turn_reward(task, ask(middle_id, second), memory) == pytest.approx(env.fact_credit)
+    assert memory["found_facts"] == {normalize_answer(n) for n in task.metadata["entities"][1:]}
+    no_credit = SearchEnvironment(fact_credit=0.0)
+    assert (
+        no_credit.turn_reward(task, ask(start_id, first), no_credit.new_episode_memory(task)) == 0
+    )
+    with pytest.raises(ValueError, match="must not be negative"):
+        SearchEnvironment(fact_credit=-0.1)
 
 
 def test_unknown_doc_id_is_a_tool_error(env: SearchEnvironment) -> None:

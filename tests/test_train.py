@@ -23,6 +23,7 @@ from node.pipeline import RLConfig, train_rl
 from node.rollout import Episode, play_episodes, tokenize_demonstration
 from node.train import (
     PolicyGradientTrainer,
+    length_sorted_micro_batches,
     shared_prefix_length,
     supervised_warm_start,
     token_logprobs,
@@ -256,6 +257,41 @@ def test_policy_gradient_step_moves_toward_rewarded_episodes(
     winners = sum(c for i, c in enumerate(change) if i % 2) / 6
     losers = sum(c for i, c in enumerate(change) if not i % 2) / 6
     assert winners > losers
+
+
+def test_micro_batches_group_rows_of_similar_length_within_the_budget() -> None:
+    lengths = [50, 10, 400, 12, 55, 11, 900, 52]
+    batches = length_sorted_micro_batches(lengths, max_rows=3, max_tokens=200)
+    assert batches == [[1, 5, 3], [0, 7, 4], [2], [6]]
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 200
+    assert length_sorted_micro_batches(lengths, 8, 10**6) == [[1, 5, 3, 0, 7, 4, 2, 6]]
+    assert length_sorted_micro_batches([], 4, 100) == []
+    with pytest.raises(ValueError, match="positive"):
+        length_sorted_micro_batches(lengths, 0, 100)
+
+
+def test_an_update_in_length_sorted_micro_batches_equals_the_whole_batch(
+    tokenizer, env: MathEnvironment
+) -> None:
+    model = build_tiny_model(tokenizer, seed=1)
+    episodes = _half_rewarded_episodes(model, tokenizer, env, 3, samples=4, max_new_tokens=12)
+    lengths = {len(e.tokens.token_ids) for e in episodes}
+    assert len(lengths) > 2  # rows of several lengths, so that sorting them matters
+    updated = []
+    for micro_batch_tokens in (10**6, 2 * max(lengths)):
+        copy = build_tiny_model(tokenizer, seed=1)
+        trainer = PolicyGradientTrainer(
+            copy, tokenizer, lr=0.1, optimizer="sgd", micro_batch_tokens=micro_batch_tokens
+        )
+        metrics = trainer.step(episodes)
+        updated.append((metrics, dict(copy.named_parameters())))
+    (whole, whole_params), (split, split_params) = updated
+    assert whole["loss"] == pytest.approx(split["loss"], abs=1e-6)  # advantages sum to 0
+    assert whole["grad_norm"] == pytest.approx(split["grad_norm"], rel=1e-4)
+    for name, parameter in whole_params.items():
+        torch.testing.assert_close(parameter, split_params[name], rtol=1e-4, atol=1e-6)
 
 
 def test_stale_ratios_are_clipped(tokenizer, env: MathEnvironment) -> None:

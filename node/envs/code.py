@@ -14,7 +14,10 @@ import json
 import random
 import re
 import string
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,13 @@ from node.envs.base import (
     draw_split_tasks,
     split_of_text,
 )
-from node.sandbox import MiB, SandboxLimits, TestRunReport, run_tests_in_sandbox
+from node.sandbox import (
+    MiB,
+    SandboxLimits,
+    TestRunReport,
+    run_test_groups_in_sandbox,
+    run_tests_in_sandbox,
+)
 from node.tools import TOOL_ERROR_PREFIX, ToolResult, extract_final_answer
 
 HELDOUT_FRACTION = 0.2
@@ -41,6 +50,9 @@ MAX_CODE_CHARS = 20_000
 TURN_REWARD_SCALE = 0.1
 # The rollout engine's per-call limit sits this far above the sandbox's own wall limit.
 TOOL_TIMEOUT_MARGIN_S = 2.0
+# Sandbox reports kept for reuse: the episodes of a group often write the same function, and an
+# episode's final answer is often the code it last tested.
+TEST_REPORTS_KEPT = 4096
 _REPORT_PATTERN = re.compile(r"^passed (\d+)/(\d+)")
 _FENCE_PATTERN = re.compile(r"^```[\w+-]*[ \t]*\n(.*?)\n?```$", re.DOTALL)
 _WORD_LETTERS = "abcdeilmnorstu"
@@ -279,6 +291,69 @@ def _generated_task(spec: _FunctionSpec, rng: random.Random) -> tuple[str, dict[
     return prompt, metadata, f"def {spec.name}{spec.signature}:\n    {spec.body}"
 
 
+_ReportKey = tuple[str, tuple[str, ...], str, str]
+
+
+class TestReportMemo:
+    """The latest `capacity` sandbox reports by (code, tests, entry point, setup), so that the same
+    function checked against the same tests runs once. Callers asking for a key whose run is under
+    way wait for that run. Reports of runs that a limit stopped (time, a kill) are not kept: on a
+    less loaded machine the same code may finish."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, capacity: int = TEST_REPORTS_KEPT) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self.runs = 0
+        self.reused = 0
+        self._lock = threading.Lock()
+        self._reports: OrderedDict[_ReportKey, TestRunReport] = OrderedDict()
+        self._running: dict[_ReportKey, Future[TestRunReport]] = {}
+
+    def report(self, key: _ReportKey, run: Callable[[], TestRunReport]) -> TestRunReport:
+        """The kept report for `key`, or the one a run under way gives, or `run()`'s."""
+        with self._lock:
+            report = self._reports.get(key)
+            if report is not None:
+                self._reports.move_to_end(key)
+                self.reused += 1
+                return report
+            running = self._running.get(key)
+            if running is None:
+                self._running[key] = future = Future()
+                self.runs += 1
+            else:
+                self.reused += 1
+        if running is not None:
+            return running.result()
+        try:
+            report = run()
+        except BaseException as error:
+            with self._lock:
+                del self._running[key]
+            future.set_exception(error)
+            raise
+        with self._lock:
+            del self._running[key]
+            self._keep(key, report)
+        future.set_result(report)
+        return report
+
+    def keep(self, key: _ReportKey, report: TestRunReport) -> None:
+        """Keep a report that a run for another key made too (unless a limit stopped it)."""
+        with self._lock:
+            self._keep(key, report)
+
+    def _keep(self, key: _ReportKey, report: TestRunReport) -> None:
+        if not report.stopped_by_limit:
+            self._reports[key] = report
+            self._reports.move_to_end(key)
+            if len(self._reports) > self.capacity:
+                self._reports.popitem(last=False)
+
+
 @dataclass(frozen=True)
 class FileTask:
     """One problem of a HumanEval-style file: `prompt` holds the function's signature and
@@ -413,6 +488,7 @@ class CodeEnvironment(Environment):
         self.tool_timeout_s = wall_timeout_s + TOOL_TIMEOUT_MARGIN_S
         self.tasks_file = None if tasks_file is None else Path(tasks_file)
         self.file_tasks = None if tasks_file is None else load_task_file(tasks_file)
+        self.test_reports = TestReportMemo()
 
     @property
     def tools(self) -> list[ToolFunction]:
@@ -458,14 +534,25 @@ class CodeEnvironment(Environment):
         return tasks
 
     def _check(self, task: Task, code: str, tests_key: str) -> TestRunReport:
+        """The report of `code` on the task's visible or hidden tests. A visible run checks the
+        hidden tests too, in the same processes, and keeps their report for the reward: an
+        episode's answer is most often the code it last tested."""
         metadata = task.metadata
-        return run_tests_in_sandbox(
-            code,
-            metadata[tests_key],
-            metadata["entry_point"],
-            setup=metadata["setup"],
-            limits=self.limits,
-        )
+        tests, entry_point, setup = metadata[tests_key], metadata["entry_point"], metadata["setup"]
+        hidden = metadata["hidden_tests"]
+
+        def run() -> TestRunReport:
+            if tests_key != "visible_tests" or list(hidden) == list(tests):
+                return run_tests_in_sandbox(
+                    code, tests, entry_point, setup=setup, limits=self.limits
+                )
+            visible_report, hidden_report = run_test_groups_in_sandbox(
+                code, [tests, hidden], entry_point, setup=setup, limits=self.limits
+            )
+            self.test_reports.keep((code, tuple(hidden), entry_point, setup), hidden_report)
+            return visible_report
+
+        return self.test_reports.report((code, tuple(tests), entry_point, setup), run)
 
     def run_visible_tests(self, task: Task, code: str) -> str:
         """What `run_tests` returns for `code` on `task`: a short pass/fail report."""

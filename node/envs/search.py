@@ -59,6 +59,7 @@ MAX_QUERY_CHARS = 300
 MAX_QUESTION_CHARS = 500
 MAX_READER_ANSWER_CHARS = 300
 DEFAULT_SEARCH_CREDIT = 0.1
+DEFAULT_FACT_CREDIT = 0.1
 MAX_HOPS = 3
 # Default question lengths, drawn in equal shares: one-hop questions (search, ask, answer) are what
 # a small base first learns to solve, and give multi-hop training its first rewards.
@@ -356,7 +357,9 @@ class SearchEnvironment(Environment):
     about `corpus`; `train_worlds=0`, or a corpus passed in, splits one corpus's questions.
     `reader` answers `ask` (ExtractiveReader by default; a ChatReader puts a model behind it).
     Each search whose results first show a document the task needs earns `search_credit` as a
-    turn reward."""
+    turn reward, and each `ask` whose reply first names an entity on the question's path (the
+    fact a hop is after: the company someone works for, a city's mayor…) earns `fact_credit`;
+    questions-file tasks name no path, so only their searches earn credit."""
 
     name = "search"
     system_prompt = (
@@ -376,6 +379,7 @@ class SearchEnvironment(Environment):
         hops: int | Sequence[int] = DEFAULT_HOPS,
         max_turns: int | None = None,
         search_credit: float = DEFAULT_SEARCH_CREDIT,
+        fact_credit: float = DEFAULT_FACT_CREDIT,
         tool_timeout_s: float | None = None,
         train_worlds: int = DEFAULT_TRAIN_WORLDS,
     ) -> None:
@@ -391,8 +395,11 @@ class SearchEnvironment(Environment):
             for h in hop_counts
         ):
             raise ValueError(f"hops must be from 1 to {MAX_HOPS} (one or several), got {hops!r}")
-        if search_credit < 0:
-            raise ValueError(f"search_credit must not be negative, got {search_credit}")
+        if search_credit < 0 or fact_credit < 0:
+            raise ValueError(
+                f"search_credit and fact_credit must not be negative, got {search_credit} and "
+                f"{fact_credit}"
+            )
         generated = corpus is None and corpus_file is None and questions_file is None
         if corpus_file is not None:
             corpus = load_jsonl_corpus(corpus_file)
@@ -420,6 +427,7 @@ class SearchEnvironment(Environment):
         if self.max_turns < 2:
             raise ValueError("max_turns must be at least 2: one tool turn and one answer turn")
         self.search_credit = search_credit
+        self.fact_credit = fact_credit
         if tool_timeout_s is not None:
             self.tool_timeout_s = tool_timeout_s
         elif not isinstance(self.reader, ExtractiveReader):
@@ -586,22 +594,33 @@ class SearchEnvironment(Environment):
         return 1.0 if given and given == normalize_answer(task.answer) else 0.0
 
     def new_episode_memory(self, task: Task) -> dict[str, Any]:
-        return {"found_doc_ids": set()}
+        return {"found_doc_ids": set(), "found_facts": set()}
 
     def turn_reward(
         self, task: Task, results: Sequence[ToolResult], memory: dict[str, Any]
     ) -> float:
-        """`search_credit` for each needed document a search shows for the first time."""
+        """`search_credit` for each needed document a search shows for the first time, and
+        `fact_credit` for each entity of the question's path after its start that an `ask`
+        reply names for the first time."""
         needed = set(task.metadata.get("needed_doc_ids", ()))
+        facts = [normalize_answer(name) for name in task.metadata.get("entities", ())[1:]]
         found: set[str] = memory.setdefault("found_doc_ids", set())
+        found_facts: set[str] = memory.setdefault("found_facts", set())
         credit = 0.0
         for result in results:
-            if result.is_error or result.call.name != "search":
+            if result.is_error:
                 continue
-            for doc_id in result_doc_ids(result.content):
-                if doc_id in needed and doc_id not in found:
-                    found.add(doc_id)
-                    credit += self.search_credit
+            if result.call.name == "search":
+                for doc_id in result_doc_ids(result.content):
+                    if doc_id in needed and doc_id not in found:
+                        found.add(doc_id)
+                        credit += self.search_credit
+            elif result.call.name == "ask" and facts:
+                reply = f" {normalize_answer(result.content)} "
+                for fact in facts:
+                    if fact not in found_facts and f" {fact} " in reply:
+                        found_facts.add(fact)
+                        credit += self.fact_credit
         return credit
 
     # ---- solver ----
