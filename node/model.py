@@ -54,8 +54,8 @@ TOKENIZER_CORPUS_TASKS = 2000
 # it solved 14 of 32 held-out tasks greedily, after 220 one.
 DEFAULT_WARM_START_STEPS = 480
 # The base `skillswarm bootstrap` gives: copy pretraining (node.pretrain) until the model copies
-# 90% of a held-out batch of repeated words right (at most MULTI_DOMAIN_COPY_STEPS steps; about
-# 800 here), then 300 warm-start steps on all three domains. Without the copy pretraining, copying
+# 90% of a held-out batch of repeated words right (at most MULTI_DOMAIN_COPY_STEPS steps; 450
+# here), then 300 warm-start steps on all three domains. Without the copy pretraining, copying
 # names and numbers arrived only after 850 to over 1,400 warm-start steps, abruptly, and where in
 # that range depended on the machine (a 1,200-step run left search at 91.4% on one machine and 0%
 # on another); after it, each domain rises smoothly within a few hundred steps, so a short warm

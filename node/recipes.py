@@ -16,46 +16,34 @@ class NoRecipeError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-# Measured on warm starts of the embedded base (supervised on all three domains, batch 16, AdamW
-# 1.5e-3), greedy held-out success on 128 tasks before and after, 2 shared cores with a load
-# average of 3-10 from other work. With AdamW the learning rate mattered most: 5e-4 and above
-# collapsed math and code (greedy -4 to -21 points in 6 minutes, sampled success to about 0; 1e-3
-# and 3e-3 within 10 steps), 2e-4 rose steadily. Math and code were measured with outcome-only
-# advantages (turn_reward_weight 0), and keep them. Every base named below was built with the
-# earlier tokenizer (Qwen2's pre-tokenizer, which glues the character before a word to it) unless
-# it says otherwise.
+# Measured from the default base (`skillswarm bootstrap`: copy pretraining, then 300 warm-start
+# steps; greedy held-out math 53.9%, code 33.6%, search 60.2%) with `python bench/bench_learning.py
+# --base runs/base --domains D`: 10 minutes of RL per domain on 2 idle cores, greedy held-out
+# success on the same 128 tasks before and after. Earlier bases, warm-started from demonstrations
+# alone (no copy stage), are named as such.
 #
-# SGD (momentum 0.9, gradients clipped to norm 1) instead of AdamW, with the current tokenizer:
-# AdamW moves every weight by about the learning rate whatever its gradient's size, and the tiny
-# model's copying of names and numbers did not survive that on search. SGD at 0.01 raised math
-# and search where AdamW gained less or lost; 0.02 (math) and 0.03 (search) collapsed within
-# 40-100 steps, sampled training success falling to a few percent.
+# SGD (momentum 0.9, gradients clipped to norm 1) rather than AdamW: AdamW moves every weight by
+# about the learning rate whatever its gradient's size, and the tiny model's copying of names and
+# numbers did not survive that on search (AdamW lowered search held-out success from every earlier
+# base and setting tried; on a prototype of the default base, AdamW 1e-4: -2.3 in 125 steps).
+# With AdamW, 5e-4 and above collapsed math and code within 10-60 steps; 2e-4 rose slowly. SGD at
+# 0.02 collapsed math and search within 40-125 steps (sampled training success down to a few
+# percent; search from the prototype base -10.9). Math and code use outcome-only advantages
+# (turn_reward_weight 0); search keeps its per-turn credit.
 _SGD_LEARNING_RATE = 0.01
 _OUTCOME_ONLY = LossConfig(turn_reward_weight=0.0)
 
 DOMAIN_RECIPES: dict[str, RLConfig] = {
-    # From a warm start at the onset of number copying (350 steps, 4.7% greedy): 10 minutes,
-    # 305 steps under load, 4.7% -> 20.3% (+15.6 points); on idle cores 782 steps, 4.7% -> 27.3%
-    # (+22.7), sampled training success 3.7% -> 22.7%. From a later warm start (400 steps, 25.8%)
-    # 6 minutes gave only +3.1. From the base `skillswarm bootstrap` built with 2 threads (350
-    # steps, 16.4% greedy but 2.9% sampled) 10 minutes lost 12.5 points: sampled success never
-    # rose. Where the warm start leaves the model matters more than any setting tried here.
-    # With rollouts reusing each conversation's KV cache (734-930 steps in 10 minutes), from that
-    # bootstrap base: temperature 1.0 gave -15.6 and +11.7 points in two runs, 0.7 gave +12.5,
-    # 0.5 gave -6.2; sampled training success rose in each (to 10-24%) while greedy moved either
-    # way, so this recipe keeps 1.0 until a setting is shown to be reliably better. From an
-    # 800-step base weighted to search (math 3.1% greedy, 1.6% sampled): 981 steps, -2.3
-    # points; sampled training success stayed at 1-6%, too rare a success for groups of 4 to
-    # learn from. From the default base with the current tokenizer (36.7% greedy, 20.3% sampled):
-    # AdamW 2e-4, 586 steps, +5.5 points greedy, 34.4% sampled, training success 0.10 -> 0.38;
-    # SGD 0.01, 560 steps, 36.7% -> 48.4% (+11.7), sampled 20.3% -> 45.3%, training success
-    # 0.18 -> 0.46 and still rising; SGD 0.014, 648 steps, -3.1 (training success 0.18 -> 0.33).
-    # SGD 0.01 at temperature 0.7: 795 steps, 36.7% -> 66.4% greedy (+29.7 points), sampled at
-    # 0.7 25.8% -> 64.8%, training success 0.27 -> 0.60 (795 steps in the 10 minutes against 560
-    # at 1.0); a second run of it (held-out sample of eval seed 1) collapsed at step 440, training
-    # success 0.56 -> 0.00 within 20 steps and never back: 37.5% -> 0.0%. SGD 0.007 at 0.7, this
-    # recipe, on that held-out sample: 963 steps, 37.5% -> 67.2% (+29.7), sampled 32.0% ->
-    # 63.3%, training success 0.28 -> 0.61 without a collapse (one run).
+    # From the default base (53.9% greedy, 51.6% sampled at 0.7): 385 steps in 10 minutes,
+    # 53.9% -> 84.4% greedy (+30.5 points), sampled 51.6% -> 78.1%, training success 0.46 ->
+    # 0.77. From a prototype of that base (50.8%): 522 steps, +15.6. From the earlier 1,200-step
+    # base without a copy stage (36.7%): SGD 0.007 at 0.7, 963 steps, 37.5% -> 67.2% (+29.7, on
+    # eval seed 1); SGD 0.01 at 0.7 once +29.7 (795 steps) and once a collapse at step 440
+    # (training success 0.56 -> 0.00 within 20 steps, 37.5% -> 0.0%), hence 0.007; at
+    # temperature 1.0, SGD 0.01 +11.7 and 0.014 -3.1; AdamW 2e-4, +5.5. From bases that had
+    # barely begun copying numbers into the calculator (sampled success 2-6%), runs ended
+    # anywhere from -15.6 to +22.7 points: where the warm start leaves the model matters more
+    # than any setting tried here.
     "math": RLConfig(
         tasks_per_step=8,
         samples_per_task=4,
@@ -65,47 +53,39 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
         max_staleness=1,
         loss=_OUTCOME_ONLY,
     ),
-    # From a warm start at 43.8% greedy (200 steps): 10 minutes, 68 steps of 8 tasks x 8 samples,
-    # 43.8% -> 53.1% (+9.4 points), sampled training success 31% -> 46%. From the 350-step
-    # bootstrap base (73.4%): 138 steps, +0.8 points, sampled 54% -> 63%. Groups of 8 give the
-    # all-or-nothing function families a success to learn from more often than groups of 4
-    # (8 x 4 from 33.6%: +3.1 with turn rewards, -1.6 without, in 6 minutes). From an 800-step
-    # base weighted to search (11.7% greedy, 3.1% sampled): 208 steps, -7.8 points, sampled
-    # training success 2% -> 6%. From the 1,200-step default base (7.0%, 0% sampled): 172 steps,
-    # -3.1 points, sampled held-out 0% -> 3.9%. From the default base with the current tokenizer
-    # (3.9%): 100 steps, +4.7 points, sampled held-out 0% -> 6.2%; with SGD 0.01, 90 steps, -1.6
-    # (sampled training success stayed at 0-0.3%: nothing to learn from). From a 1,200-step base
-    # weighted math 1.9, code 1.0, search 12 (18.0% greedy, 11.7% sampled): 144 steps, +1.6
-    # points, sampled held-out unchanged, training success 0.11 -> 0.21. From the default base
-    # with SGD 0.01 at temperature 0.7 (what made math learn): 102 steps, +0.0 points greedy,
-    # sampled held-out 0% -> 3.1%, training success 0.02 -> 0.11 and rising (load average 3.5-10
-    # from the sandbox's subprocesses).
+    # From the default base (copy pretraining, then 300 warm-start steps; 33.6% greedy, 21.1%
+    # sampled at 0.5): 77 steps in 10 minutes, 33.6% -> 61.7% greedy (+28.1 points), sampled
+    # 21.1% -> 42.2%, training success 0.37 -> 0.45. From a prototype of that base (18.8%):
+    # 78 steps, 18.8% -> 28.9% (+10.2), sampled 10.2% -> 23.4%. A step of 8 tasks x 8 samples
+    # takes about 7.7 s, much of it in the sandbox (two fresh Python processes per test run,
+    # visible and hidden tests in one run, identical answers checked once). Groups of 8 give the
+    # all-or-nothing function families a success to learn from more often than groups of 4.
+    # Earlier bases, from demonstrations alone: AdamW 2e-4 at temperature 1.0 gained at most
+    # +9.4 points (from 43.8%, 68 steps) and lost up to 7.8 where sampled success was rare
+    # (2-6%); SGD 0.01 at 0.7 from a 3.9% base, +0.0 in 102 steps: nothing succeeded to learn
+    # from. Temperature 0.5 because on the prototype base sampled success at 0.7 was 3.9%
+    # (10.2% at 0.5, 18.8% greedy): too few successes in a group to learn from.
     "code": RLConfig(
         tasks_per_step=8,
         samples_per_task=8,
-        learning_rate=2e-4,
-        temperature=1.0,
+        optimizer="sgd",
+        learning_rate=0.007,
+        temperature=0.5,
         max_staleness=1,
         loss=_OUTCOME_ONLY,
     ),
-    # SGD at 0.01 and temperature 0.7, from the current tokenizer's default-weights warm start at
-    # step 1,000 (before its learning-rate decay; 35.9% greedy): 143 steps, 35.9% -> 45.3%
-    # (+9.4 points), sampled at 0.7 15.6% -> 22.7%. The same at temperature 1.0: 124 steps, +3.9
-    # (sampled training success about 9%, against 22-25% at 0.7). With 4 tasks a step instead of
-    # 8: 264 steps, +4.7 (sampled 18.0% -> 25.8%). Everything below used AdamW.
-    # Before one-hop questions were in the mix, up to 1,000 warm-start steps
-    # left the base unable to copy the name in the question into its first search (0-3%), so
-    # groups all scored 0 but for the per-search turn credit, which this recipe keeps. When
-    # training and held-out questions shared one world, the base reached 41.4% greedy after 800
-    # steps and 73.4% after 1,430, partly by recalling that world's facts, and RL for 10 minutes
-    # lowered both (-9.4 and -3.9 points; at temperature 0.7 and lr 1e-4, +1.6). With training
-    # questions on other worlds (so only copying carries over): from the 1,200-step default base
-    # (35.9%), 272 steps, -12.5 points; with adam_eps 1e-5, 239 steps, -17.2; without turn credit,
-    # 290 steps, -14.1. From an 800-step base at 14.1%, 288 steps, -5.5, and with
-    # negative_advantage_weight 0, 282 steps, -4.7.
-    # Sampled training success over 10-step windows follows the seeded task sequence (the same
-    # ups and downs in every run), so held-out success is the measure. Groups of 4 rather than 8,
-    # for more steps in the time.
+    # From the default base (60.2% greedy, 52.3% sampled at 0.7): 110 steps in 10 minutes,
+    # 60.2% -> 81.2% greedy (+21.1 points), sampled 52.3% -> 78.9%, training success 0.55 ->
+    # 0.74. A step (8 tasks x 4 samples of multi-turn episodes with long tool results) takes
+    # about 5.4 s. From a prototype of that base (61.7%): 144 steps, +1.6; with the reader's
+    # credit for each fact on the question's path (`fact_credit`, now the default), 117 steps,
+    # +0.0: that base's failures were questions with the wrong relation, which its samples rarely
+    # got right either. Earlier bases, from demonstrations alone, where copying the question's
+    # name into the first search came late or never: from a snapshot at 35.9%, +9.4 (143 steps),
+    # +3.9 at temperature 1.0, +4.7 with 4 tasks a step; with AdamW from the 1,200-step base,
+    # -12.5 to -17.2. Sampled training success over 10-step windows follows the seeded task
+    # sequence (the same ups and downs in every run), so held-out success is the measure. Groups
+    # of 4 rather than 8, for more steps in the time.
     "search": RLConfig(
         tasks_per_step=8,
         samples_per_task=4,

@@ -197,7 +197,7 @@ def bootstrap(
     weights: Annotated[
         str | None,
         typer.Option(
-            help="each domain's share of the demonstrations, e.g. math=1.9,code=0.25,search=20 "
+            help="each domain's share of the demonstrations, e.g. math=4,code=1,search=12 "
             "(unnamed: 1) [default: the recommended shares]"
         ),
     ] = None,

@@ -28,7 +28,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory):
-    """The embedded default base model (warm-started as `skillswarm demo` builds it), built once."""
+    """The embedded math base (`create_base_checkpoint`'s defaults: 480 warm-start steps, past the
+    onset of copying numbers into calculator calls, so sampled episodes sometimes succeed and RL
+    has something to learn from), built once, with two torch threads: nothing else runs then."""
     from node.model import create_base_checkpoint
 
-    return create_base_checkpoint(tmp_path_factory.mktemp("base") / "base")
+    return create_base_checkpoint(tmp_path_factory.mktemp("base") / "base", num_threads=2)
