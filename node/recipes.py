@@ -74,18 +74,18 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
         max_staleness=1,
         loss=_OUTCOME_ONLY,
     ),
-    # From the default base (60.2% greedy, 52.3% sampled at 0.7): 110 steps in 10 minutes,
-    # 60.2% -> 81.2% greedy (+21.1 points), sampled 52.3% -> 78.9%, training success 0.55 ->
-    # 0.74. A step (8 tasks x 4 samples of multi-turn episodes with long tool results) takes
-    # about 5.4 s. From a prototype of that base (61.7%): 144 steps, +1.6; with the reader's
-    # credit for each fact on the question's path (`fact_credit`, now the default), 117 steps,
-    # +0.0: that base's failures were questions with the wrong relation, which its samples rarely
-    # got right either. Earlier bases, from demonstrations alone, where copying the question's
-    # name into the first search came late or never: from a snapshot at 35.9%, +9.4 (143 steps),
-    # +3.9 at temperature 1.0, +4.7 with 4 tasks a step; with AdamW from the 1,200-step base,
-    # -12.5 to -17.2. Sampled training success over 10-step windows follows the seeded task
-    # sequence (the same ups and downs in every run), so held-out success is the measure. Groups
-    # of 4 rather than 8, for more steps in the time.
+    # From the default base (60.2% greedy, 52.3% sampled at 0.7): 110 steps in 10 minutes, 60.2% ->
+    # 81.2% greedy (+21.1 points), sampled 52.3% -> 78.9%, training success 0.55 -> 0.74; on another
+    # held-out sample (eval seed 1), 112 steps, 60.2% -> 78.1% (+18.0), sampled 48.4% -> 70.3%. A
+    # step (8 tasks x 4 samples of multi-turn episodes with long tool results) takes about 5.4 s.
+    # From a prototype of that base (61.7%): 144 steps, +1.6; with the reader's credit for each fact
+    # on the question's path (`fact_credit`, now the default), 117 steps, +0.0: that base's failures
+    # were questions with the wrong relation, which its samples rarely got right either. Earlier
+    # bases, from demonstrations alone, where copying the question's name into the first search came
+    # late or never: from a snapshot at 35.9%, +9.4 (143 steps), +3.9 at temperature 1.0, +4.7 with
+    # 4 tasks a step; with AdamW from the 1,200-step base, -12.5 to -17.2. Sampled training success
+    # over 10-step windows follows the seeded task sequence (the same ups and downs in every run),
+    # so held-out success is the measure. Groups of 4 rather than 8, for more steps in the time.
     "search": RLConfig(
         tasks_per_step=8,
         samples_per_task=4,
