@@ -6,7 +6,6 @@ start on environment demonstrations. Also loads any Hugging Face causal-LM folde
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -360,7 +359,7 @@ def create_base_checkpoint(
         "warm_start_lr": warm_start_lr,
         "warm_start_final_loss": losses[-1] if losses else None,
         "copy_pretraining_steps": 0 if copied is None else copied.steps,
-        "copy_accuracy": None if copied is None or math.isnan(copied.accuracy) else copied.accuracy,
+        "copy_accuracy": None if copied is None else copied.accuracy,
     }
     (out_dir / "skillswarm_base.json").write_text(json.dumps(provenance, indent=2) + "\n")
     return out_dir

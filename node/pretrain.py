@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from node.train import _right_padded
+from node.train import right_padded, token_logprobs
 
 COPY_MIN_WORDS = 4
 COPY_MAX_WORDS = 16
@@ -65,7 +65,7 @@ def _batch(
     tokenizer: PreTrainedTokenizerBase, words: Sequence[str], rng: random.Random, size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     examples = [copy_example(tokenizer, words, rng) for _ in range(size)]
-    input_ids, attention_mask, (loss_mask,) = _right_padded(
+    input_ids, attention_mask, (loss_mask,) = right_padded(
         [ids for ids, _ in examples], tokenizer.pad_token_id, [mask for _, mask in examples]
     )
     return input_ids, attention_mask, loss_mask
@@ -125,11 +125,8 @@ def copy_pretraining(
     try:
         for step in range(1, max_steps + 1):
             input_ids, attention_mask, loss_mask = _batch(tokenizer, words, rng, batch_size)
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            picked = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-            mask = loss_mask[:, 1:]
-            loss = -(picked * mask).sum() / mask.sum()
+            logprobs = token_logprobs(model, input_ids, attention_mask)
+            loss = -(logprobs * loss_mask).sum() / loss_mask.sum()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -30,7 +30,7 @@ from node.rollout import (
 StepCallback = Callable[[dict[str, float]], None]
 
 
-def _right_padded(
+def right_padded(
     sequences: Sequence[Sequence[int]], pad_token_id: int, *extra: Sequence[Sequence[float]]
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Token ids (B, L), attention mask (B, L), and each `extra` per-token list padded with 0."""
@@ -214,7 +214,7 @@ def supervised_warm_start(
             for records in by_env.values():
                 sequences = [record.token_ids for record in records]
                 masks = [record.loss_mask for record in records]
-                input_ids, attention_mask, (loss_mask,) = _right_padded(
+                input_ids, attention_mask, (loss_mask,) = right_padded(
                     sequences, tokenizer.pad_token_id, masks
                 )
                 prefix = shared_prefix_length(sequences, masks)
@@ -347,7 +347,7 @@ class PolicyGradientTrainer:
             part = [rows[index] for index in indices]
             sequences = [sample.token_ids for sample, _, _ in part]
             masks = [sample.loss_mask for sample, _, _ in part]
-            input_ids, attention_mask, (old_logprobs, loss_mask, advantages) = _right_padded(
+            input_ids, attention_mask, (old_logprobs, loss_mask, advantages) = right_padded(
                 sequences,
                 self.tokenizer.pad_token_id,
                 [sample.logprobs for sample, _, _ in part],
