@@ -63,6 +63,7 @@ from libp2p.stream_muxer.yamux.yamux import (
     YamuxStream,
 )
 from libp2p.tools.anyio_service import background_trio_service
+from noise.backends.default.ciphers import ChaCha20Cipher
 from noise.constants import MAX_NONCE as NOISE_MAX_NONCE
 from noise.exceptions import NoiseMaxNonceError
 
@@ -113,9 +114,9 @@ MESSAGE_QUEUE_CAPACITY = 10_000
 BLOB_CHUNK_BYTES = 1 << 20
 # Buffers of BLOB_CHUNK_BYTES a download fills while full ones are written and hashed.
 BLOB_WRITE_BUFFERS = 4
-# A download's partial file is synced to disk every BLOB_SYNC_BYTES as it grows, so that the
-# commit's fsync finds little left to write (a 256 MiB blob's one fsync took 70-80 ms here, a
-# seventh of its transfer) and a crash keeps a durable prefix to resume from.
+# A download's partial file is synced to disk every BLOB_SYNC_BYTES as it grows, in the
+# background, so that the commit's fsync finds little left to write (a 256 MiB blob's one fsync
+# took 70-80 ms here, a seventh of its transfer) and a crash keeps a durable prefix to resume from.
 BLOB_SYNC_BYTES = 16 << 20
 MAX_BLOB_REQUEST_BYTES = 1024
 MAX_BLOB_RESPONSE_HEADER_BYTES = 4096
@@ -136,6 +137,8 @@ RAW_READ_BYTES = 1 << 20
 NOISE_TAG_BYTES = 16
 NOISE_MAX_PLAINTEXT_BYTES = 65535 - NOISE_TAG_BYTES
 _NOISE_LENGTH = struct.Struct(">H")
+# The ChaChaPoly nonce of message n: 32 zero bits, then n as a little-endian 64-bit integer.
+_NOISE_NONCE = struct.Struct("<4xQ")
 NOISE_MAX_WIRE_BYTES = _NOISE_LENGTH.size + 65535
 # Yamux DATA frames this host sends carry up to YAMUX_FRAME_PAYLOAD_BYTES (py-libp2p sends 64 KiB;
 # the spec bounds a frame only by the receive window, and rust-yamux reads frames up to 1 MiB), and
@@ -394,11 +397,12 @@ class _BatchedNoiseSession(SecureSession):
         )
         noise_protocol = session.conn.noise_state.noise_protocol  # type: ignore[attr-defined]
         self._sealer = noise_protocol.cipher_state_encrypt
-        # The handshake's AEAD (cryptography's ChaCha20Poly1305), used directly to seal into the
-        # wire buffer; None falls back to the cipher state's own encrypt_with_ad.
-        aead = getattr(getattr(self._sealer, "cipher", None), "cipher", None)
-        self._aead = aead if self._sealer.has_key() and hasattr(aead, "encrypt_into") else None
+        # The handshake's AEADs (cryptography's ChaCha20Poly1305) are called directly: sealing
+        # into the wire buffer, and opening without the cipher state's three layers of Python
+        # calls per message. For any other cipher the cipher state's own methods are used.
+        self._direct_seal = _is_keyed_chacha(self._sealer)
         self._opener = noise_protocol.cipher_state_decrypt
+        self._direct_open = _is_keyed_chacha(self._opener)
         self._raw = raw
         self._write_lock = _EagerLock()
         self._wire = bytearray()
@@ -464,12 +468,12 @@ class _BatchedNoiseSession(SecureSession):
         """Encrypt one message with the next nonce straight into `target` (its ciphertext and
         tag), as the cipher state's encrypt_with_ad would, without its copy."""
         state = self._sealer
-        if self._aead is None:
+        if not self._direct_seal:
             target[:] = state.encrypt_with_ad(None, piece)
             return
         if state.n == NOISE_MAX_NONCE:
             raise NoiseMaxNonceError("Nonce has depleted!")
-        self._aead.encrypt_into(state.cipher.format_nonce(state.n), piece, None, target)
+        state.cipher.cipher.encrypt_into(_NOISE_NONCE.pack(state.n), piece, None, target)
         state.n += 1
 
     async def _open_more(self) -> bool:
@@ -495,6 +499,18 @@ class _BatchedNoiseSession(SecureSession):
             self._ciphertext = bytes(view[offset:])
         return True
 
+    def _open(self, sealed: bytes | memoryview) -> bytes:
+        """Decrypt one message with the next nonce, as the cipher state's decrypt_with_ad
+        would; raises InvalidTag if it fails authentication (the nonce is then not spent)."""
+        state = self._opener
+        if not self._direct_open:
+            return state.decrypt_with_ad(None, sealed)
+        if state.n == NOISE_MAX_NONCE:
+            raise NoiseMaxNonceError("Nonce has depleted!")
+        message = state.cipher.cipher.decrypt(_NOISE_NONCE.pack(state.n), sealed, None)
+        state.n += 1
+        return message
+
     async def _open_messages(self, ciphertext: bytes | memoryview) -> int:
         """Open the whole messages at the start of `ciphertext`; returns the bytes they span."""
         start = 0
@@ -504,15 +520,24 @@ class _BatchedNoiseSession(SecureSession):
             if end > len(ciphertext):
                 break
             try:
-                message = self._opener.decrypt_with_ad(
-                    None, ciphertext[start + _NOISE_LENGTH.size : end]
-                )
+                message = self._open(ciphertext[start + _NOISE_LENGTH.size : end])
             except InvalidTag:
                 await self._raw.close()
                 raise RawConnError("a Noise message failed authentication") from None
             self._opened.extend(message)
             start = end
         return start
+
+
+def _is_keyed_chacha(state: Any) -> bool:
+    """Whether a Noise cipher state is keyed and runs cryptography's ChaCha20Poly1305 (as
+    `state.cipher.cipher`, with encrypt_into), whose nonces _NOISE_NONCE formats."""
+    cipher = getattr(state, "cipher", None)
+    return (
+        isinstance(cipher, ChaCha20Cipher)
+        and state.has_key()
+        and hasattr(getattr(cipher, "cipher", None), "encrypt_into")
+    )
 
 
 class _CancelSafeNoiseTransport(NoiseTransport):
@@ -1699,12 +1724,12 @@ class _PartialWriter:
     worker thread, from a pool of BLOB_WRITE_BUFFERS reusable buffers.
 
     Disk writes and sha256 both release the GIL: in a thread they overlap the receiving of the next
-    batches instead of holding up the host's event loop (sha256 about 0.6 ms of CPU per MiB and the
-    write about 0.25, nearly as much as the rest of the receiving). Several buffers let a slow write
+    batches instead of holding up the host's event loop (sha256 about 0.7 ms of CPU per MiB and the
+    write 0.3-1.2, nearly as much as the rest of the receiving). Several buffers let a slow write
     or a late network read pass without stalling the other side. Every BLOB_SYNC_BYTES the file is
-    synced to disk, in the same thread, so that writeback overlaps the transfer too. After a failed
-    write nothing more is written, so the file holds a correct prefix; the error is raised by the
-    next `free_buffer` or by `finish`.
+    synced to disk by a _BackgroundSync, so that writeback overlaps the transfer and the writer
+    never waits for the disk. After a failed write or sync nothing more is written, so the file
+    holds a correct prefix; the error is raised by the next `free_buffer` or by `finish`.
     """
 
     def __init__(self, partial_file: BinaryIO, digest: hashlib._Hash, buffer_bytes: int) -> None:
@@ -1737,8 +1762,9 @@ class _PartialWriter:
         self._jobs.put((buffer, length))
 
     async def finish(self) -> None:
-        """Wait until every queued batch is written, and raise the error of a failed write. A
-        cancellation waits too: the file must stay open while the thread writes to it."""
+        """Wait until every queued batch is written (and a sync in flight is done), and raise
+        the error of a failed write or sync. A cancellation waits too: the file must stay open
+        while the threads use it."""
         if self._started:
             self._jobs.put(None)
             with trio.CancelScope(shield=True):
@@ -1750,22 +1776,83 @@ class _PartialWriter:
             raise self._error
 
     def _work(self) -> None:
+        syncer: _BackgroundSync | None = None
         unsynced = 0
-        while (job := self._jobs.get()) is not None:
-            buffer, length = job
-            if self._error is None:
-                try:
-                    with buffer[:length] as batch:
-                        self._file.write(batch)
-                        self._digest.update(batch)
-                    unsynced += length
-                    if unsynced >= BLOB_SYNC_BYTES:
-                        self._file.flush()
-                        _sync_data(self._file.fileno())
-                        unsynced = 0
-                except BaseException as error:  # handed to the event loop, not lost here
-                    self._error = error
-            self._token.run_sync_soon(self._free_send.send_nowait, buffer)
+        try:
+            while (job := self._jobs.get()) is not None:
+                buffer, length = job
+                if self._error is None:
+                    try:
+                        with buffer[:length] as batch:
+                            self._file.write(batch)
+                            self._digest.update(batch)
+                        unsynced += length
+                        if unsynced >= BLOB_SYNC_BYTES:
+                            self._file.flush()
+                            syncer = syncer or _BackgroundSync(self._file.fileno())
+                            syncer.request()
+                            unsynced = 0
+                        if syncer is not None:
+                            self._error = syncer.error
+                    except BaseException as error:  # handed to the event loop, not lost here
+                        self._error = error
+                self._token.run_sync_soon(self._free_send.send_nowait, buffer)
+        finally:
+            if syncer is not None:
+                syncer.close()
+                self._error = self._error or syncer.error
+
+
+class _BackgroundSync:
+    """fdatasync of one file in a thread of its own, started on request and never waited for
+    by the one who asks: a download's writer asks every BLOB_SYNC_BYTES and goes on writing
+    while the disk catches up (a blocking sync of 16 MiB took 30 ms here, long enough for the
+    download's buffers to fill and its stream to stall). Requests made while a sync runs are
+    served by one more sync when it ends, which covers everything written by then. `close`
+    waits for the sync in flight and skips one only requested (the commit's fsync covers it).
+    The first failed sync is kept in `error` and no other is tried.
+    """
+
+    def __init__(self, descriptor: int) -> None:
+        self._descriptor = descriptor
+        self._wakeup = threading.Condition()
+        self._requested = False
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.error: OSError | None = None
+
+    def request(self) -> None:
+        with self._wakeup:
+            if self._closing or self.error is not None:
+                return
+            self._requested = True
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="skillswarm-blob-sync", daemon=True
+                )
+                self._thread.start()
+            self._wakeup.notify()
+
+    def close(self) -> None:
+        with self._wakeup:
+            self._closing = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._requested or self._closing):
+                    self._wakeup.wait()
+                if self._closing:
+                    return
+                self._requested = False
+            try:
+                _sync_data(self._descriptor)
+            except OSError as error:
+                self.error = error
+                return
 
 
 # fdatasync where the platform has it (it skips metadata such as the modification time).

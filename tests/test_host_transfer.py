@@ -492,21 +492,63 @@ def test_partial_writer_writes_in_order_and_keeps_a_prefix_when_a_write_fails() 
     assert digest.hexdigest() == hashlib.sha256(b"".join(batches[:3])).hexdigest()
 
 
-def test_partial_writer_syncs_the_file_as_it_grows(
+def test_partial_writer_syncs_the_file_as_it_grows_without_waiting_for_the_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every BLOB_SYNC_BYTES written, the partial file is synced with all of it on disk, so the
-    commit's fsync has little left and a crash keeps a durable prefix."""
+    """Every BLOB_SYNC_BYTES written, the partial file is synced, so the commit's fsync has
+    little left and a crash keeps a durable prefix; the writer goes on writing while a sync
+    runs, and no sync is left running once `finish` returns."""
     import protocol.host as host_module
 
+    batches = [bytes([n]) * 1000 for n in range(1, 11)]
+    total = sum(map(len, batches))
     synced_sizes: list[int] = []
+    syncing = threading.Event()
 
-    def record_sync(descriptor: int) -> None:
+    def slow_sync(descriptor: int) -> None:
+        syncing.set()
+        if not synced_sizes:  # the first sync waits until every batch is written
+            deadline = time.monotonic() + 10
+            while os.fstat(descriptor).st_size < total and time.monotonic() < deadline:
+                time.sleep(0.01)
         os.fsync(descriptor)
         synced_sizes.append(os.fstat(descriptor).st_size)
+        syncing.clear()
 
     monkeypatch.setattr(host_module, "BLOB_SYNC_BYTES", 3000)
-    monkeypatch.setattr(host_module, "_sync_data", record_sync)
+    monkeypatch.setattr(host_module, "_sync_data", slow_sync)
+
+    async def write_all(partial_file: Any) -> None:
+        writer = _PartialWriter(partial_file, hashlib.sha256(), 1000)
+        for batch in batches:
+            buffer = await writer.free_buffer()
+            buffer[: len(batch)] = batch
+            writer.write(buffer, len(batch))
+        await writer.finish()
+        assert not syncing.is_set()
+
+    partial = tmp_path / "blob.partial"
+    with open(partial, "ab", buffering=0) as partial_file:  # each batch reaches the file at once
+        trio.run(write_all, partial_file)
+    # The writer did not wait for the first sync, which saw every batch written; the requests
+    # made meanwhile were served by at most one more sync.
+    assert synced_sizes[0] == total
+    assert synced_sizes in ([total], [total, total])
+    assert partial.read_bytes() == b"".join(batches)
+
+
+def test_partial_writer_stops_after_a_failed_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sync that fails (the disk reporting an I/O error) fails the download: `finish` raises
+    it and the partial file holds a prefix of the batches, nothing out of order."""
+    import protocol.host as host_module
+
+    def failing_sync(descriptor: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(host_module, "BLOB_SYNC_BYTES", 2000)
+    monkeypatch.setattr(host_module, "_sync_data", failing_sync)
     batches = [bytes([n]) * 1000 for n in range(1, 11)]
 
     async def write_all(partial_file: Any) -> None:
@@ -518,7 +560,8 @@ def test_partial_writer_syncs_the_file_as_it_grows(
         await writer.finish()
 
     partial = tmp_path / "blob.partial"
-    with open(partial, "ab") as partial_file:
+    with open(partial, "ab") as partial_file, pytest.raises(OSError, match="Input/output"):
         trio.run(write_all, partial_file)
-    assert synced_sizes == [3000, 6000, 9000]
-    assert partial.read_bytes() == b"".join(batches)
+    written = partial.read_bytes()
+    assert len(written) >= 2000  # the failure came from the sync asked for at 2000 bytes
+    assert written == b"".join(batches)[: len(written)]
