@@ -1743,6 +1743,8 @@ class _PartialWriter:
         self._token = trio.lowlevel.current_trio_token()
         self._stopped = trio.Event()
         self._started = False
+        self._unsynced = 0  # bytes written since the last sync was asked for
+        self._syncer: _BackgroundSync | None = None  # made at the first sync
 
     async def free_buffer(self) -> memoryview:
         """A buffer to fill, once one is written; raises the error of a failed write."""
@@ -1776,31 +1778,34 @@ class _PartialWriter:
             raise self._error
 
     def _work(self) -> None:
-        syncer: _BackgroundSync | None = None
-        unsynced = 0
         try:
             while (job := self._jobs.get()) is not None:
                 buffer, length = job
                 if self._error is None:
                     try:
-                        with buffer[:length] as batch:
-                            self._file.write(batch)
-                            self._digest.update(batch)
-                        unsynced += length
-                        if unsynced >= BLOB_SYNC_BYTES:
-                            self._file.flush()
-                            syncer = syncer or _BackgroundSync(self._file.fileno())
-                            syncer.request()
-                            unsynced = 0
-                        if syncer is not None:
-                            self._error = syncer.error
+                        self._write_batch(buffer[:length])
                     except BaseException as error:  # handed to the event loop, not lost here
                         self._error = error
                 self._token.run_sync_soon(self._free_send.send_nowait, buffer)
         finally:
-            if syncer is not None:
-                syncer.close()
-                self._error = self._error or syncer.error
+            if self._syncer is not None:
+                self._syncer.close()
+                self._error = self._error or self._syncer.error
+
+    def _write_batch(self, batch: memoryview) -> None:
+        """Write and hash one batch, ask for a sync every BLOB_SYNC_BYTES, and raise the error
+        of a failed sync."""
+        with batch:
+            self._file.write(batch)
+            self._digest.update(batch)
+            self._unsynced += len(batch)
+        if self._unsynced >= BLOB_SYNC_BYTES:
+            self._file.flush()
+            self._syncer = self._syncer or _BackgroundSync(self._file.fileno())
+            self._syncer.request()
+            self._unsynced = 0
+        if self._syncer is not None and self._syncer.error is not None:
+            raise self._syncer.error
 
 
 class _BackgroundSync:
@@ -1818,27 +1823,20 @@ class _BackgroundSync:
         self._wakeup = threading.Condition()
         self._requested = False
         self._closing = False
-        self._thread: threading.Thread | None = None
         self.error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="skillswarm-blob-sync", daemon=True)
+        self._thread.start()
 
     def request(self) -> None:
         with self._wakeup:
-            if self._closing or self.error is not None:
-                return
             self._requested = True
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="skillswarm-blob-sync", daemon=True
-                )
-                self._thread.start()
             self._wakeup.notify()
 
     def close(self) -> None:
         with self._wakeup:
             self._closing = True
             self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
 
     def _run(self) -> None:
         while True:

@@ -468,26 +468,28 @@ class _FailingFile:
         return len(data)
 
 
-def test_partial_writer_writes_in_order_and_keeps_a_prefix_when_a_write_fails() -> None:
-    batches = [bytes([n]) * 1000 for n in range(1, 12)]
+async def _write_batches(target: Any, digest: Any, batches: list[bytes]) -> None:
+    """Hand each batch to a _PartialWriter of 1000-byte buffers in turn, then finish."""
+    writer = _PartialWriter(target, digest, 1000)
+    for batch in batches:
+        buffer = await writer.free_buffer()
+        buffer[: len(batch)] = batch
+        writer.write(buffer, len(batch))
+    await writer.finish()
 
-    async def write_all(target: Any, digest: Any) -> None:
-        writer = _PartialWriter(target, digest, 1000)
-        for batch in batches:
-            buffer = await writer.free_buffer()
-            buffer[: len(batch)] = batch
-            writer.write(buffer, len(batch) if batch is not batches[-1] else 10)
-        await writer.finish()
+
+def test_partial_writer_writes_in_order_and_keeps_a_prefix_when_a_write_fails() -> None:
+    batches = [bytes([n]) * 1000 for n in range(1, 11)] + [bytes([11]) * 10]  # the last one short
 
     whole, digest = _FailingFile(good_writes=100), hashlib.sha256()
-    trio.run(write_all, whole, digest)
-    expected = b"".join(batches[:-1]) + batches[-1][:10]
+    trio.run(_write_batches, whole, digest, batches)
+    expected = b"".join(batches)
     assert bytes(whole.written) == expected
     assert digest.hexdigest() == hashlib.sha256(expected).hexdigest()
 
     cut, digest = _FailingFile(good_writes=3), hashlib.sha256()
     with pytest.raises(OSError, match="No space left"):
-        trio.run(write_all, cut, digest)
+        trio.run(_write_batches, cut, digest, batches)
     assert bytes(cut.written) == b"".join(batches[:3])  # nothing after the failed batch
     assert digest.hexdigest() == hashlib.sha256(b"".join(batches[:3])).hexdigest()
 
@@ -518,18 +520,10 @@ def test_partial_writer_syncs_the_file_as_it_grows_without_waiting_for_the_disk(
     monkeypatch.setattr(host_module, "BLOB_SYNC_BYTES", 3000)
     monkeypatch.setattr(host_module, "_sync_data", slow_sync)
 
-    async def write_all(partial_file: Any) -> None:
-        writer = _PartialWriter(partial_file, hashlib.sha256(), 1000)
-        for batch in batches:
-            buffer = await writer.free_buffer()
-            buffer[: len(batch)] = batch
-            writer.write(buffer, len(batch))
-        await writer.finish()
-        assert not syncing.is_set()
-
     partial = tmp_path / "blob.partial"
     with open(partial, "ab", buffering=0) as partial_file:  # each batch reaches the file at once
-        trio.run(write_all, partial_file)
+        trio.run(_write_batches, partial_file, hashlib.sha256(), batches)
+        assert not syncing.is_set()  # no sync outlives `finish`
     # The writer did not wait for the first sync, which saw every batch written; the requests
     # made meanwhile were served by at most one more sync.
     assert synced_sizes[0] == total
@@ -551,17 +545,9 @@ def test_partial_writer_stops_after_a_failed_sync(
     monkeypatch.setattr(host_module, "_sync_data", failing_sync)
     batches = [bytes([n]) * 1000 for n in range(1, 11)]
 
-    async def write_all(partial_file: Any) -> None:
-        writer = _PartialWriter(partial_file, hashlib.sha256(), 1000)
-        for batch in batches:
-            buffer = await writer.free_buffer()
-            buffer[: len(batch)] = batch
-            writer.write(buffer, len(batch))
-        await writer.finish()
-
     partial = tmp_path / "blob.partial"
     with open(partial, "ab") as partial_file, pytest.raises(OSError, match="Input/output"):
-        trio.run(write_all, partial_file)
+        trio.run(_write_batches, partial_file, hashlib.sha256(), batches)
     written = partial.read_bytes()
     assert len(written) >= 2000  # the failure came from the sync asked for at 2000 bytes
     assert written == b"".join(batches)[: len(written)]
