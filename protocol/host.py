@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, NoReturn, TypeVar
 
 import msgpack
 import multiaddr
@@ -111,13 +111,14 @@ GOSSIP_HEARTBEAT_INITIAL_DELAY_S = 0.1
 GOSSIP_MAX_MESSAGES_PER_PEER_PER_SECOND = 100.0
 MESSAGE_QUEUE_CAPACITY = 10_000
 
-BLOB_CHUNK_BYTES = 1 << 20
-# Buffers of BLOB_CHUNK_BYTES a download fills while full ones are written and hashed.
-BLOB_WRITE_BUFFERS = 4
+# Buffers of BLOB_CHUNK_BYTES (defined below) a download fills while full ones are written and
+# hashed; lent to its stream, they are also its receive window.
+BLOB_WRITE_BUFFERS = 8
 # A download's partial file is synced to disk every BLOB_SYNC_BYTES as it grows, in the
 # background, so that the commit's fsync finds little left to write (a 256 MiB blob's one fsync
-# took 70-80 ms here, a seventh of its transfer) and a crash keeps a durable prefix to resume from.
-BLOB_SYNC_BYTES = 16 << 20
+# took 70-80 ms here, a seventh of its transfer; with syncs every 16 MiB a 64 MiB blob's commit
+# still took 27-30 ms, every 4 MiB 10-15 ms) and a crash keeps a durable prefix to resume from.
+BLOB_SYNC_BYTES = 4 << 20
 MAX_BLOB_REQUEST_BYTES = 1024
 MAX_BLOB_RESPONSE_HEADER_BYTES = 4096
 BLOB_REQUEST_READ_TIMEOUT_S = 30.0
@@ -141,10 +142,15 @@ _NOISE_LENGTH = struct.Struct(">H")
 _NOISE_NONCE = struct.Struct("<4xQ")
 NOISE_MAX_WIRE_BYTES = _NOISE_LENGTH.size + 65535
 # Yamux DATA frames this host sends carry up to YAMUX_FRAME_PAYLOAD_BYTES (py-libp2p sends 64 KiB;
-# the spec bounds a frame only by the receive window, and rust-yamux reads frames up to 1 MiB), and
-# a stream write hands the connection up to YAMUX_WRITE_BATCH_BYTES of frames at once.
-YAMUX_FRAME_PAYLOAD_BYTES = 256 << 10
+# the spec bounds a frame only by the receive window, and rust-yamux reads frames up to 1 MiB):
+# four whole Noise messages, since each frame's header goes in a message of its own and its payload
+# in the next ones. A stream write hands the connection up to YAMUX_WRITE_BATCH_BYTES at once.
+YAMUX_FRAME_PAYLOAD_BYTES = 4 * NOISE_MAX_PLAINTEXT_BYTES
 YAMUX_WRITE_BATCH_BYTES = 1 << 20
+# A blob server reads and sends BLOB_CHUNK_BYTES at a time, and a download receives into buffers
+# of that size: four whole frames (about 1 MiB), so that every Noise message of a frame's payload
+# fits whole in the buffer it is opened into.
+BLOB_CHUNK_BYTES = 4 * YAMUX_FRAME_PAYLOAD_BYTES
 YAMUX_WINDOW_POLL_INTERVAL_S = 0.01
 YAMUX_WINDOW_WAIT_TIMEOUT_S = 5.0
 YAMUX_DATA_READ_TIMEOUT_S = 60.0
@@ -298,9 +304,9 @@ class _EagerLock:
 def _reserve(buffer: bytearray, size: int) -> bytearray:
     """`buffer` if it holds `size` bytes, else a new one that does.
 
-    Write paths reuse one buffer per connection: a fresh megabyte per write comes from mmap, and
-    the kernel's page faults on it cost more CPU than the encryption. A buffer is replaced,
-    never resized in place, since a view of it may outlive a failed write.
+    The Noise session seals into one buffer reused for every write: a fresh megabyte per write
+    comes from mmap, and the kernel's page faults on it cost more CPU than the encryption. A
+    buffer is replaced, never resized in place, since a view of it may outlive a failed write.
     """
     return buffer if len(buffer) >= size else bytearray(size)
 
@@ -374,16 +380,19 @@ class _CancelSafeRawConnection(IRawConnection):
 
 
 class _BatchedNoiseSession(SecureSession):
-    """A Noise transport session that seals a whole write at once and opens whole reads.
+    """A Noise transport session that seals a whole write at once and opens messages straight
+    into their reader's memory where it can.
 
     The bytes on the wire are py-libp2p's own: each message a 2-byte length and a
     ChaCha20-Poly1305 ciphertext of at most NOISE_MAX_PLAINTEXT_BYTES, sealed with the cipher
     states the XX handshake left, so their nonces run on. What changes is the work per byte.
     py-libp2p seals each 64 KiB message and sends it on its own, and reads each one with two
-    raw reads and a copy into a growing buffer. Here a write of any size is sealed into one
-    reused buffer and sent as one raw write; a raw read of up to RAW_READ_BYTES is opened in
-    place, message by message, and reads are served from the opened messages. Writes hold a
-    lock from sealing to sending, so that the nonces go out in the order they were spent.
+    raw reads and a copy into a growing buffer. Here a write of any number of parts is sealed
+    into one reused buffer (each part as messages of its own) and sent as one raw write. A raw
+    read of up to RAW_READ_BYTES is split in place into its sealed messages, which are opened
+    in order as they are read: into the opened-bytes queue, or (`read_available_into`) straight
+    into a buffer the reader lent. Writes hold a lock from sealing to sending, so that the
+    nonces go out in the order they were spent.
     """
 
     def __init__(self, session: SecureSession, raw: _CancelSafeRawConnection) -> None:
@@ -398,20 +407,27 @@ class _BatchedNoiseSession(SecureSession):
         noise_protocol = session.conn.noise_state.noise_protocol  # type: ignore[attr-defined]
         self._sealer = noise_protocol.cipher_state_encrypt
         # The handshake's AEADs (cryptography's ChaCha20Poly1305) are called directly: sealing
-        # into the wire buffer, and opening without the cipher state's three layers of Python
-        # calls per message. For any other cipher the cipher state's own methods are used.
+        # and opening into the caller's buffer, without the cipher state's three layers of
+        # Python calls and its copy per message. For any other cipher the cipher state's own
+        # methods are used.
         self._direct_seal = _is_keyed_chacha(self._sealer)
         self._opener = noise_protocol.cipher_state_decrypt
         self._direct_open = _is_keyed_chacha(self._opener)
         self._raw = raw
         self._write_lock = _EagerLock()
         self._wire = bytearray()
+        self._sealed: deque[memoryview] = deque()  # received whole messages, not yet opened
         self._opened = _StreamBuffer()  # opened messages, not yet read
         self._ciphertext = b""  # the start of a message whose end has not arrived yet
 
     async def write(self, data: bytes) -> None:
+        await self.write_parts((data,))
+
+    async def write_parts(self, parts: Sequence[bytes | memoryview]) -> None:
+        """Send `parts` in order, each sealed as messages of its own (so a reader that knows
+        where the parts begin finds each one at the start of a message), in one raw write."""
         async with self._write_lock:  # waiting here spends no nonce: a cancellation is harmless
-            length = self._seal(data)
+            length = self._seal(parts)
             with memoryview(self._wire) as wire:
                 await self._raw.write(wire[:length])
 
@@ -422,7 +438,7 @@ class _BatchedNoiseSession(SecureSession):
             return b""
         wanted = 1 if n is None else n
         while len(self._opened) < wanted:
-            if not await self._open_more():
+            if not await self._open_next():
                 if self._opened:
                     break
                 raise self._closed_error(wanted)
@@ -432,12 +448,43 @@ class _BatchedNoiseSession(SecureSession):
         """Append exactly `count` bytes to `target` as they are opened (a _StreamBuffer keeps
         the opened messages without copying them)."""
         while count > 0:
-            if not self._opened and not await self._open_more():
+            if not self._opened and not await self._open_next():
                 raise self._closed_error(count)
             taken = min(count, len(self._opened))
             for part in self._opened.pop_parts(taken):
                 target.extend(part)
             count -= taken
+
+    async def wait_readable(self) -> None:
+        """Return once bytes are ready to be read without waiting (opened, or a whole sealed
+        message); raise if the connection ends first."""
+        while not (self._opened or self._sealed):
+            if not await self._receive():
+                raise self._closed_error(1)
+
+    async def read_available_into(self, target: memoryview) -> int:
+        """Move ready bytes into the start of `target`; returns how many. It waits for nothing
+        (only a failed authentication awaits, to close the connection), so `target` is
+        written only while this runs.
+
+        A sealed message whose plaintext fits in what is left of `target` is opened straight
+        into it; one that does not is opened into the queue and `target` takes its start.
+        """
+        filled = self._opened.take_into(target)
+        try:
+            while filled < len(target) and self._sealed and not self._opened:
+                sealed = self._sealed[0]
+                plaintext_length = len(sealed) - NOISE_TAG_BYTES
+                if plaintext_length <= len(target) - filled:
+                    self._open_into(sealed, target[filled : filled + plaintext_length])
+                    filled += plaintext_length
+                else:
+                    self._opened.extend(self._open(sealed))
+                    filled += self._opened.take_into(target[filled:])
+                self._sealed.popleft()
+        except InvalidTag:
+            await self._fail_authentication()
+        return filled
 
     def _closed_error(self, wanted: int) -> IncompleteReadError:
         return IncompleteReadError(
@@ -446,23 +493,28 @@ class _BatchedNoiseSession(SecureSession):
             received_bytes=len(self._ciphertext),
         )
 
-    def _seal(self, data: bytes) -> int:
-        """Seal `data` into the wire buffer as Noise messages, length prefixes included (one
-        empty message if `data` is empty); returns how many bytes of the buffer they fill."""
-        with memoryview(data) as plaintext:
-            starts = range(0, max(len(plaintext), 1), NOISE_MAX_PLAINTEXT_BYTES)
+    def _seal(self, parts: Sequence[bytes | memoryview]) -> int:
+        """Seal each of `parts` into the wire buffer as Noise messages, length prefixes included
+        (an empty part as one empty message); returns how many bytes of the buffer they fill."""
+        views = [memoryview(part) for part in parts]
+        try:
+            messages = sum(max(1, -(-len(view) // NOISE_MAX_PLAINTEXT_BYTES)) for view in views)
             overhead = _NOISE_LENGTH.size + NOISE_TAG_BYTES
-            self._wire = _reserve(self._wire, len(plaintext) + len(starts) * overhead)
+            self._wire = _reserve(self._wire, sum(map(len, views)) + messages * overhead)
             end = 0
             with memoryview(self._wire) as wire:
-                for start in starts:
-                    piece = plaintext[start : start + NOISE_MAX_PLAINTEXT_BYTES]
-                    sealed_length = len(piece) + NOISE_TAG_BYTES
-                    _NOISE_LENGTH.pack_into(wire, end, sealed_length)
-                    end += _NOISE_LENGTH.size
-                    self._seal_into(piece, wire[end : end + sealed_length])
-                    end += sealed_length
-        return end
+                for plaintext in views:
+                    for start in range(0, max(len(plaintext), 1), NOISE_MAX_PLAINTEXT_BYTES):
+                        piece = plaintext[start : start + NOISE_MAX_PLAINTEXT_BYTES]
+                        sealed_length = len(piece) + NOISE_TAG_BYTES
+                        _NOISE_LENGTH.pack_into(wire, end, sealed_length)
+                        end += _NOISE_LENGTH.size
+                        self._seal_into(piece, wire[end : end + sealed_length])
+                        end += sealed_length
+            return end
+        finally:
+            for view in views:
+                view.release()
 
     def _seal_into(self, piece: memoryview, target: memoryview) -> None:
         """Encrypt one message with the next nonce straight into `target` (its ciphertext and
@@ -471,62 +523,95 @@ class _BatchedNoiseSession(SecureSession):
         if not self._direct_seal:
             target[:] = state.encrypt_with_ad(None, piece)
             return
-        if state.n == NOISE_MAX_NONCE:
-            raise NoiseMaxNonceError("Nonce has depleted!")
-        state.cipher.cipher.encrypt_into(_NOISE_NONCE.pack(state.n), piece, None, target)
+        state.cipher.cipher.encrypt_into(_next_nonce(state), piece, None, target)
         state.n += 1
 
-    async def _open_more(self) -> bool:
-        """Read from the connection and open every whole message; False at its end.
+    async def _open_next(self) -> bool:
+        """Open the next sealed message into the queue, reading from the connection as needed;
+        False at its end."""
+        while not self._sealed:
+            if not await self._receive():
+                return False
+        try:
+            self._opened.extend(self._open(self._sealed[0]))
+        except InvalidTag:
+            await self._fail_authentication()
+        self._sealed.popleft()
+        return True
 
-        A message cut by the previous read is completed from the start of this one; the rest
-        is opened in place, without copying the read.
+    async def _receive(self) -> bool:
+        """Read from the connection and queue the whole sealed messages it completes, without
+        copying the read; False at the end of the connection.
+
+        A message cut by the previous read is completed from the start of this one.
         """
         received = await self._raw.read(RAW_READ_BYTES)
         if not received:
             return False
-        with memoryview(received) as view:
-            offset = 0
-            if self._ciphertext:
-                pending = self._ciphertext
-                head = pending + view[:NOISE_MAX_WIRE_BYTES]
-                opened = await self._open_messages(head)
-                if opened < len(pending):  # still cut: `head` holds all of this read
-                    self._ciphertext = head
-                    return True
-                offset = opened - len(pending)
-            offset += await self._open_messages(view[offset:])
-            self._ciphertext = bytes(view[offset:])
+        view = memoryview(received)
+        offset = 0
+        if self._ciphertext:
+            pending = self._ciphertext
+            head = memoryview(pending + view[:NOISE_MAX_WIRE_BYTES])
+            spanned = self._queue_messages(head)
+            if spanned < len(pending):  # still cut: `head` holds all of this read
+                self._ciphertext = bytes(head)
+                return True
+            offset = spanned - len(pending)
+        offset += self._queue_messages(view[offset:])
+        self._ciphertext = bytes(view[offset:])
         return True
 
-    def _open(self, sealed: bytes | memoryview) -> bytes:
-        """Decrypt one message with the next nonce, as the cipher state's decrypt_with_ad
-        would; raises InvalidTag if it fails authentication (the nonce is then not spent)."""
-        state = self._opener
-        if not self._direct_open:
-            return state.decrypt_with_ad(None, sealed)
-        if state.n == NOISE_MAX_NONCE:
-            raise NoiseMaxNonceError("Nonce has depleted!")
-        message = state.cipher.cipher.decrypt(_NOISE_NONCE.pack(state.n), sealed, None)
-        state.n += 1
-        return message
-
-    async def _open_messages(self, ciphertext: bytes | memoryview) -> int:
-        """Open the whole messages at the start of `ciphertext`; returns the bytes they span."""
+    def _queue_messages(self, ciphertext: memoryview) -> int:
+        """Queue views of the whole messages at the start of `ciphertext`, without their length
+        prefixes; returns the bytes they span."""
         start = 0
         while len(ciphertext) - start >= _NOISE_LENGTH.size:
             (length,) = _NOISE_LENGTH.unpack_from(ciphertext, start)
             end = start + _NOISE_LENGTH.size + length
             if end > len(ciphertext):
                 break
-            try:
-                message = self._open(ciphertext[start + _NOISE_LENGTH.size : end])
-            except InvalidTag:
-                await self._raw.close()
-                raise RawConnError("a Noise message failed authentication") from None
-            self._opened.extend(message)
+            self._sealed.append(ciphertext[start + _NOISE_LENGTH.size : end])
             start = end
         return start
+
+    def _open(self, sealed: memoryview) -> bytes:
+        """Decrypt one message with the next nonce, as the cipher state's decrypt_with_ad
+        would; raises InvalidTag if it fails authentication (the nonce is then not spent)."""
+        state = self._opener
+        if not self._direct_open:
+            return bytes(state.decrypt_with_ad(None, sealed))
+        message = state.cipher.cipher.decrypt(_next_nonce(state), sealed, None)
+        state.n += 1
+        return message
+
+    def _open_into(self, sealed: memoryview, target: memoryview) -> None:
+        """Decrypt one message with the next nonce straight into `target` (as long as its
+        plaintext); raises InvalidTag if it fails authentication, and `target` then holds
+        nothing to be used."""
+        state = self._opener
+        if not self._direct_open:
+            target[:] = self._open(sealed)
+            return
+        state.cipher.cipher.decrypt_into(_next_nonce(state), sealed, None, target)
+        state.n += 1
+
+    async def _fail_authentication(self) -> NoReturn:
+        """Drop everything received and close the connection: after a forged or damaged
+        message nothing more on it can be trusted."""
+        self._sealed.clear()
+        self._opened.clear()
+        self._ciphertext = b""
+        await self._raw.close()
+        raise RawConnError("a Noise message failed authentication") from None
+
+
+def _next_nonce(state: Any) -> bytes:
+    """The nonce a Noise cipher state spends next, formatted for ChaCha20Poly1305 (the caller
+    advances `state.n` once the message is sealed or opened)."""
+    if state.n == NOISE_MAX_NONCE:
+        raise NoiseMaxNonceError("Nonce has depleted!")
+    return _NOISE_NONCE.pack(state.n)
 
 
 def _is_keyed_chacha(state: Any) -> bool:
@@ -673,11 +758,15 @@ class _BatchedYamuxStream(YamuxStream):
     connection writes it as frames of up to YAMUX_FRAME_PAYLOAD_BYTES at once, and a window
     update wakes a waiting writer. Frames of concurrent writes to one stream may interleave,
     as in py-libp2p. Reads take buffered bytes directly, and the peer is granted window in
-    halves of the target window rather than after every read.
+    halves of the target window rather than after every read; or the reader lends buffers for
+    the frame reader to open the payload into, and the window is their room (see `lend`).
     """
 
     conn: _BatchedYamux
     _window_opened: trio.Event
+    _filling: deque[memoryview]  # buffers lent and not full yet; the first one is filling
+    _fill_at: int  # bytes in the first of them
+    _full: deque[memoryview]  # buffers lent and full, not yet returned by next_filled
 
     async def write(self, data: bytes) -> None:
         sent = 0
@@ -703,13 +792,98 @@ class _BatchedYamuxStream(YamuxStream):
 
     async def read_buffered_into(self, target: memoryview) -> int:
         """Move buffered bytes straight into `target` (copied once); 0 when none are buffered
-        or the stream is closing, for the caller to wait in `read`."""
+        or the stream is closing, for the caller to wait in `read`. With none buffered, the peer
+        is granted window first if it has little: after `reclaim` it may have none left, and
+        py-libp2p grants window only after a read that found bytes."""
         buffer = self._readable_buffer()
         if buffer is None:
+            if not self._receiving_ended():
+                await self._auto_tune_and_send_window_update()
             return 0
         count = buffer.take_into(target)
         await self._auto_tune_and_send_window_update(bytes_read=count)
         return count
+
+    # A reader that knows how much is coming (a blob download) lends the stream buffers ahead
+    # of the bytes, in order, and the frame reader opens the payload straight into them: no
+    # fresh memory per Noise message and no copy afterwards. The window granted to the peer is
+    # the room left in the lent buffers, so nothing overflows into the stream's buffer.
+
+    def lend(self, buffer: memoryview) -> None:
+        """Lend `buffer` (not empty) to be filled after those lent before it; it is the stream's
+        until `next_filled` returns it or `reclaim` takes it back."""
+        self._filling.append(buffer)
+
+    def has_buffered(self) -> bool:
+        """Whether bytes wait in the stream's own buffer (they come before any lent buffer)."""
+        return bool(self.conn.stream_buffers.get(self.stream_id))
+
+    def take_buffered_into(self, target: memoryview) -> int:
+        """Move bytes from the stream's own buffer into the start of `target`, without waiting;
+        returns how many."""
+        buffer = self.conn.stream_buffers.get(self.stream_id)
+        return buffer.take_into(target) if isinstance(buffer, _StreamBuffer) else 0
+
+    async def grant_lent_space(self) -> None:
+        """Let the peer send as much as the lent buffers have room for, beyond what it may send
+        already and what waits in the stream's buffer. The peer can then fill every lent
+        buffer; a reader lends and grants once per buffer filled, so updates come about one
+        buffer apart."""
+        room = sum(map(len, self._filling)) - self._fill_at
+        buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+        increment = room - self.recv_window - buffered
+        if increment <= 0:
+            return
+        self.recv_window += increment
+        await self.send_window_update(increment)
+
+    async def next_filled(self) -> memoryview | None:
+        """The next lent buffer, once it is full; None once no more will fill in order: none is
+        lent, the stream is ending or was reset, or bytes wait in its own buffer (sent beyond
+        the lent room, or while none was lent). `reclaim` then takes the buffers back."""
+        while not self._full:
+            event = self.conn.stream_events.get(self.stream_id)
+            if event is None or not self._filling or self.has_buffered() or self._receiving_ended():
+                return None
+            if event.is_set():  # an old wakeup: the state it announced was seen above
+                event = self.conn.stream_events[self.stream_id] = trio.Event()
+            await event.wait()
+        return self._full.popleft()
+
+    def reclaim(self) -> int:
+        """Take back every lent buffer not yet returned by `next_filled`; returns how many bytes
+        they received, which fill them in the order they were lent. The frame reader writes
+        into none of them after this."""
+        arrived = sum(map(len, self._full)) + self._fill_at
+        self._full.clear()
+        self._filling.clear()
+        self._fill_at = 0
+        return arrived
+
+    def lent_space(self, most: int) -> memoryview | None:
+        """Where the frame reader puts the next at most `most` bytes: the unfilled part of the
+        first lent buffer not yet full; None when none is lent, or when bytes wait in the
+        stream's buffer (they come first)."""
+        if not self._filling or self.has_buffered():
+            return None
+        return self._filling[0][self._fill_at : self._fill_at + most]
+
+    def lent_filled(self, count: int) -> bool:
+        """Record `count` more bytes in the buffer `lent_space` gave; True if that filled it."""
+        self._fill_at += count
+        if self._fill_at < len(self._filling[0]):
+            return False
+        self._full.append(self._filling.popleft())
+        self._fill_at = 0
+        return True
+
+    def _receiving_ended(self) -> bool:
+        return bool(
+            self.closed
+            or self.recv_closed
+            or self.reset_received
+            or self.conn.event_shutting_down.is_set()
+        )
 
     def _readable_buffer(self) -> _StreamBuffer | None:
         """The stream's buffer while it is open and holds bytes (_batched made it a
@@ -782,7 +956,6 @@ class _BatchedYamux(Yamux):
         self.secured_conn = _YamuxFrameReader(session, self)  # type: ignore[assignment]
         self.streams_lock = _EagerLock()  # type: ignore[assignment]
         self._write_lock = _EagerLock()  # type: ignore[assignment]
-        self._frames = bytearray()
 
     async def _write_frame(self, data: bytes) -> None:
         async with self._write_lock:
@@ -790,19 +963,15 @@ class _BatchedYamux(Yamux):
 
     async def write_data_frames(self, stream_id: int, payload: memoryview) -> None:
         """Write `payload` to a stream as DATA frames of up to YAMUX_FRAME_PAYLOAD_BYTES, in one
-        connection write from a buffer kept for the next (see _reserve)."""
+        connection write. Each frame's header and payload are separate parts of the write, so
+        the payload is sealed from where it lies, and a receiving _BatchedNoiseSession finds it
+        in whole Noise messages that it can open straight into the reader's buffer."""
+        parts: list[bytes | memoryview] = []
+        for start in range(0, len(payload), YAMUX_FRAME_PAYLOAD_BYTES):
+            piece = payload[start : start + YAMUX_FRAME_PAYLOAD_BYTES]
+            parts += (_YAMUX_HEADER.pack(0, TYPE_DATA, 0, stream_id, len(piece)), piece)
         async with self._write_lock:
-            starts = range(0, len(payload), YAMUX_FRAME_PAYLOAD_BYTES)
-            self._frames = _reserve(self._frames, len(payload) + len(starts) * _YAMUX_HEADER.size)
-            end = 0
-            for start in starts:
-                piece = payload[start : start + YAMUX_FRAME_PAYLOAD_BYTES]
-                _YAMUX_HEADER.pack_into(self._frames, end, 0, TYPE_DATA, 0, stream_id, len(piece))
-                end += _YAMUX_HEADER.size
-                self._frames[end : end + len(piece)] = piece
-                end += len(piece)
-            with memoryview(self._frames) as frames:
-                await self.session.write(frames[:end])  # type: ignore[arg-type]
+            await self.session.write_parts(parts)
 
     async def open_stream(self) -> YamuxStream:
         return _batched(await super().open_stream())
@@ -813,8 +982,9 @@ class _BatchedYamux(Yamux):
 
 class _YamuxFrameReader:
     """The secured connection as py-libp2p's Yamux frame loop reads it: a plain DATA frame for
-    an open stream goes from the Noise session straight into the stream's buffer, and the loop
-    sees only the other frames.
+    an open stream goes from the Noise session straight into the buffer its reader lent (see
+    _BatchedYamuxStream.lend) or else into the stream's buffer, and the loop sees
+    only the other frames.
 
     The loop reads each frame body through two intermediate copies (fresh memory each, and the
     kernel's page faults on it), under a deadline, with half a dozen debug messages formatted
@@ -859,7 +1029,8 @@ class _YamuxFrameReader:
         )
 
     async def _take_data(self, stream_id: int, length: int) -> None:
-        """Read a DATA frame's body into its stream's buffer, and wake the stream's reader."""
+        """Read a DATA frame's body into the buffer its stream's reader lent (as much as fits)
+        and its stream's buffer (the rest), and wake the stream's reader."""
         stream = self._yamux.streams[stream_id]
         if length > stream.recv_window:
             logger.warning(
@@ -869,10 +1040,22 @@ class _YamuxFrameReader:
                 length - stream.recv_window,
             )
         stream.recv_window = max(0, stream.recv_window - length)
+        lender = stream if isinstance(stream, _BatchedYamuxStream) else None  # not yet accepted
+        wake = False
         with trio.fail_after(YAMUX_DATA_READ_TIMEOUT_S):
-            await self._session.read_into(self._yamux.stream_buffers[stream_id], length)
+            while length > 0:
+                await self._session.wait_readable()
+                # Asked again after every wait: a reader that gave up has taken its buffers back.
+                lent = None if lender is None else lender.lent_space(length)
+                if lent is None:
+                    await self._session.read_into(self._yamux.stream_buffers[stream_id], length)
+                    wake = True
+                    break
+                count = await self._session.read_available_into(lent)
+                wake = lender.lent_filled(count) or wake  # type: ignore[union-attr]
+                length -= count
         event = self._yamux.stream_events.get(stream_id)
-        if event is not None:
+        if event is not None and wake:  # bytes buffered, or a lent buffer full
             event.set()
 
 
@@ -888,6 +1071,7 @@ def _batched(stream: YamuxStream) -> _BatchedYamuxStream:
     stream.__class__ = _BatchedYamuxStream
     assert isinstance(stream, _BatchedYamuxStream)
     stream._window_opened = trio.Event()
+    stream._filling, stream._fill_at, stream._full = deque(), 0, deque()
     stream.send_window = send_window
     return stream
 
@@ -1678,32 +1862,94 @@ async def _receive_into(
     `digest` too, so that the commit need not read the blob back to hash it.
 
     The bytes are gathered in BLOB_WRITE_BUFFERS buffers of BLOB_CHUNK_BYTES: _PartialWriter
-    writes and hashes the full ones, in order, while the next ones fill. Whatever arrived before
-    an error or a cancellation is written before this returns: a correct prefix of the rest of
-    the blob, kept for resuming.
+    writes and hashes the full ones, in order, while the next ones fill. On a
+    _BatchedYamuxStream the free buffers are lent to the stream ahead of the bytes
+    (_receive_lent); what that does not receive is read and copied (_receive_copied). Whatever
+    arrived before an error or a cancellation is written before this returns: a correct prefix
+    of the rest of the blob, kept for resuming.
     """
-    remaining = count
+    muxed = getattr(stream, "muxed_stream", None)
     with open(partial, "ab") as partial_file:
         writer = _PartialWriter(partial_file, digest, min(count, BLOB_CHUNK_BYTES))
-        batch: memoryview | None = None
-        filled = 0
         try:
-            while remaining > 0:
-                if batch is None:
-                    batch = await writer.free_buffer()
-                received = await _read_into(stream, batch[filled : filled + remaining])
-                if not received:
-                    raise EOFError(f"stream ended with {remaining} bytes still to come")
-                filled += received
-                remaining -= received
-                if filled == len(batch):
-                    writer.write(batch, filled)
-                    batch, filled = None, 0
+            if isinstance(muxed, _BatchedYamuxStream):
+                count -= await _receive_lent(muxed, writer, count)
+            await _receive_copied(stream, writer, count)
         finally:
             with trio.CancelScope(shield=True):
-                if batch is not None and filled:
-                    writer.write(batch, filled)
                 await writer.finish()
+
+
+async def _receive_lent(stream: _BatchedYamuxStream, writer: _PartialWriter, count: int) -> int:
+    """Receive up to `count` bytes into the writer's buffers, each lent to the stream as soon
+    as it is free, and hand each to the writer once full; returns how many bytes were handed
+    over: `count`, or fewer if the stream ended early or its peer sent beyond the lent room
+    (the caller reads the rest, or learns why it cannot, with plain reads). Bytes that arrived
+    before anything was lent are copied into the first buffers. Every lent buffer is taken back
+    before this returns, and what it received, in order, handed to the writer."""
+    lent: deque[tuple[memoryview, int, int]] = deque()  # buffer, bytes copied first, bytes lent
+    received, to_lend = 0, count
+    try:
+        while received < count:
+            buffer = None
+            if to_lend and not lent:
+                buffer = await writer.free_buffer()
+            elif to_lend and not stream.has_buffered():
+                buffer = writer.free_buffer_nowait()
+            if buffer is not None:
+                size = min(len(buffer), to_lend)
+                to_lend -= size
+                copied = 0 if lent else stream.take_buffered_into(buffer[:size])
+                if copied == size:
+                    writer.write(buffer, size)
+                    received += size
+                else:
+                    stream.lend(buffer[copied:size])
+                    lent.append((buffer, copied, size))
+                continue  # every free buffer is lent before waiting
+            await stream.grant_lent_space()
+            if await stream.next_filled() is None:
+                break
+            buffer, _, size = lent.popleft()
+            writer.write(buffer, size)
+            received += size
+    finally:
+        arrived = stream.reclaim()
+        for buffer, copied, size in lent:
+            got = min(arrived, size - copied)
+            arrived -= got
+            if copied + got:
+                writer.write(buffer, copied + got)
+                received += copied + got
+            else:
+                writer.give_back(buffer)
+    return received
+
+
+async def _receive_copied(stream: INetStream, writer: _PartialWriter, count: int) -> None:
+    """Receive exactly `count` bytes by reading them into the writer's buffers (a copy), and
+    hand each to the writer once full, and the last one however full on the way out."""
+    remaining = count
+    batch: memoryview | None = None
+    filled = 0
+    try:
+        while remaining > 0:
+            if batch is None:
+                batch = await writer.free_buffer()
+            received = await _read_into(stream, batch[filled : filled + remaining])
+            if not received:
+                raise EOFError(f"stream ended with {remaining} bytes still to come")
+            filled += received
+            remaining -= received
+            if filled == len(batch):
+                writer.write(batch, filled)
+                batch, filled = None, 0
+    finally:
+        if batch is not None:
+            if filled:
+                writer.write(batch, filled)
+            else:
+                writer.give_back(batch)
 
 
 async def _read_into(stream: INetStream, target: memoryview) -> int:
@@ -1752,6 +1998,18 @@ class _PartialWriter:
         buffer = await self._free.receive()
         self._raise_error()
         return buffer
+
+    def free_buffer_nowait(self) -> memoryview | None:
+        """A buffer to fill if one is free now, else None; raises the error of a failed write."""
+        self._raise_error()
+        try:
+            return self._free.receive_nowait()
+        except trio.WouldBlock:
+            return None
+
+    def give_back(self, buffer: memoryview) -> None:
+        """Return a buffer from `free_buffer` unused."""
+        self._free_send.send_nowait(buffer)
 
     def write(self, buffer: memoryview, length: int) -> None:
         """Queue the first `length` bytes of `buffer` (one from `free_buffer`) for writing; leave

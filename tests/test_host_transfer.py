@@ -20,21 +20,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgpack
 import multiaddr
 import pytest
 import trio
 from libp2p.io.trio import TrioTCPStream
 from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.peer.id import ID
 
 from protocol.blobstore import BlobStore
 from protocol.host import (
+    BLOB_CHUNK_BYTES,
+    BLOB_PROTOCOL_ID,
+    MAX_BLOB_RESPONSE_HEADER_BYTES,
+    NOISE_MAX_PLAINTEXT_BYTES,
     AllHoldersFailed,
     BlobFetchError,
     HostNotRunning,
     PeerConnectError,
     SwarmHost,
+    _BatchedNoiseSession,
+    _BatchedYamuxStream,
     _CancelSafeRawConnection,
+    _frame,
     _PartialWriter,
+    _read_frame,
+    _read_into,
     _StreamBuffer,
 )
 from protocol.identity import load_or_create_identity
@@ -369,6 +380,107 @@ def test_keep_connected_refuses_unusable_addresses(tmp_path: Path) -> None:
         assert watcher.kept_peers() == []
     with pytest.raises(HostNotRunning):
         watcher.keep_connected([])
+
+
+# Receiving straight into the reader's buffer
+
+
+def test_a_blob_stream_is_opened_straight_into_the_readers_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between two SwarmHosts the payload's Noise messages are opened in the buffers a download
+    lends to its stream; only what arrives before the first is lent goes through the stream's
+    own buffer."""
+    opened_in_place = [0]
+    open_into = _BatchedNoiseSession._open_into
+
+    def counting_open_into(session: Any, sealed: memoryview, target: memoryview) -> None:
+        open_into(session, sealed, target)
+        opened_in_place[0] += len(target)
+
+    monkeypatch.setattr(_BatchedNoiseSession, "_open_into", counting_open_into)
+    data = os.urandom(32 << 20)
+    blob = Blob(hashlib.sha256(data).hexdigest(), data)
+    with make_host(tmp_path, "server") as server, make_host(tmp_path, "client") as client:
+        holder_of(blob, server)
+        peer = client.connect(server.listen_addrs[0])
+        assert client.fetch_blob(peer, blob.sha256, blob.size).read_bytes() == data
+    assert opened_in_place[0] >= blob.size * 9 // 10, f"{opened_in_place[0]} bytes in place"
+
+
+def test_buffers_taken_back_mid_transfer_hold_a_prefix_and_are_left_alone(tmp_path: Path) -> None:
+    """Buffers lent to a blob stream are taken back while the peer is still sending into them:
+    `reclaim` counts the bytes they received, which continue the blob in lending order; plain
+    reads then go on exactly where those end; and no taken-back buffer changes afterwards."""
+    data = os.urandom(8 << 20)
+    blob = Blob(hashlib.sha256(data).hexdigest(), data)
+    sizes = [
+        100_000,
+        NOISE_MAX_PLAINTEXT_BYTES,
+        BLOB_CHUNK_BYTES,
+        3 * NOISE_MAX_PLAINTEXT_BYTES + 5,
+    ]
+    pauses = [0.0, 1e-4, 1e-3, 1e-2]
+
+    async def take_back_after(host: SwarmHost, peer: str, pause: float) -> int:
+        assert host._host is not None
+        stream = await host._host.new_stream(ID.from_base58(peer), [BLOB_PROTOCOL_ID])
+        request = {"sha256": blob.sha256, "offset": 0, "length": blob.size}
+        await stream.write(_frame(msgpack.packb(request)))
+        assert (await _read_frame(stream, MAX_BLOB_RESPONSE_HEADER_BYTES))["ok"]
+        muxed = stream.muxed_stream
+        assert isinstance(muxed, _BatchedYamuxStream)
+        received = bytearray()
+        while muxed.has_buffered():  # what came before anything was lent comes first
+            chunk = bytearray(BLOB_CHUNK_BYTES)
+            received += chunk[: muxed.take_buffered_into(memoryview(chunk))]
+        buffers = [bytearray(size) for size in sizes]
+        for buffer in buffers:
+            muxed.lend(memoryview(buffer))
+        with trio.fail_after(TRANSFER_TIMEOUT_S):
+            await muxed.grant_lent_space()
+            first = await muxed.next_filled()
+            assert first is not None and first.obj is buffers[0]
+            await trio.sleep(pause)
+        arrived = muxed.reclaim()
+        snapshots = [bytes(buffer) for buffer in buffers]
+        received += buffers[0] + b"".join(buffers[1:])[:arrived]
+        with trio.fail_after(TRANSFER_TIMEOUT_S):
+            while len(received) < blob.size:
+                chunk = bytearray(BLOB_CHUNK_BYTES)
+                received += chunk[: await _read_into(stream, memoryview(chunk))]
+        await stream.close()
+        assert received == data
+        assert [bytes(buffer) for buffer in buffers] == snapshots
+        return arrived
+
+    with make_host(tmp_path, "server") as server, make_host(tmp_path, "client") as client:
+        holder_of(blob, server)
+        peer = client.connect(server.listen_addrs[0])
+        arrivals = [client._call(take_back_after, client, peer, pause) for pause in pauses]
+    assert any(arrivals), "no bytes reached the later buffers before they were taken back"
+
+
+def test_downloads_cancelled_at_any_point_keep_a_correct_prefix(tmp_path: Path) -> None:
+    """Fetches cut short by timeouts at many points of the transfer, each resuming the partial
+    the one before kept: every partial is a prefix of the blob, and the last fetch completes."""
+    data = os.urandom(16 << 20)
+    blob = Blob(hashlib.sha256(data).hexdigest(), data)
+    with make_host(tmp_path, "server") as server, make_host(tmp_path, "client") as client:
+        holder_of(blob, server)
+        peer = client.connect(server.listen_addrs[0])
+        partial = client.blob_store.partial_path(blob.sha256)
+        kept = []
+        for timeout in [0.002, 0.005, 0.01, 0.02, 0.03] * 2:
+            try:
+                client.fetch_blob(peer, blob.sha256, blob.size, timeout=timeout)
+                break
+            except BlobFetchError:
+                size = partial.stat().st_size if partial.exists() else 0
+                assert partial.read_bytes() == data[:size] if size else True
+                kept.append(size)
+        assert client.fetch_blob(peer, blob.sha256, blob.size).read_bytes() == data
+    assert any(0 < size < blob.size for size in kept), kept
 
 
 # Buffered connection reads (every blob byte passes through them)
