@@ -828,7 +828,7 @@ class _BatchedYamuxStream(YamuxStream):
         """Let the peer send as much as the lent buffers have room for, beyond what it may send
         already and what waits in the stream's buffer. The peer can then fill every lent
         buffer; a reader lends and grants once per buffer filled, so updates come about one
-        buffer apart."""
+        buffer apart and the peer's credit stays near the whole room (what a long link needs)."""
         room = sum(map(len, self._filling)) - self._fill_at
         buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
         increment = room - self.recv_window - buffered
@@ -1041,6 +1041,9 @@ class _YamuxFrameReader:
             )
         stream.recv_window = max(0, stream.recv_window - length)
         lender = stream if isinstance(stream, _BatchedYamuxStream) else None  # not yet accepted
+        # Looked up once: a stream reset while its frame arrives leaves the table, and the rest
+        # of the frame must still be read (into the buffer it had) for the next frame's sake.
+        buffer = self._yamux.stream_buffers[stream_id]
         wake = False
         with trio.fail_after(YAMUX_DATA_READ_TIMEOUT_S):
             while length > 0:
@@ -1048,7 +1051,7 @@ class _YamuxFrameReader:
                 # Asked again after every wait: a reader that gave up has taken its buffers back.
                 lent = None if lender is None else lender.lent_space(length)
                 if lent is None:
-                    await self._session.read_into(self._yamux.stream_buffers[stream_id], length)
+                    await self._session.read_into(buffer, length)
                     wake = True
                     break
                 count = await self._session.read_available_into(lent)
