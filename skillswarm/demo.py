@@ -134,7 +134,7 @@ def demo_settings(quick: bool, steps: int | None, eval_tasks: int | None) -> Dem
         MergeSpec(method="linear", parameters={"weight": 1.0}),
     )
     if quick:
-        return DemoSettings(100, 200, steps or 2, 4, 4, eval_tasks or 6, 2, candidates)
+        return DemoSettings(30, 200, steps or 2, 4, 4, eval_tasks or 6, 2, candidates)
     return DemoSettings(
         MULTI_DOMAIN_WARM_START_STEPS,
         None,

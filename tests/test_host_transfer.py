@@ -617,10 +617,11 @@ def test_partial_writer_syncs_the_file_as_it_grows_without_waiting_for_the_disk(
     batches = [bytes([n]) * 1000 for n in range(1, 11)]
     total = sum(map(len, batches))
     synced_sizes: list[int] = []
-    syncing = threading.Event()
+    syncing, first_sync_started = threading.Event(), threading.Event()
 
     def slow_sync(descriptor: int) -> None:
         syncing.set()
+        first_sync_started.set()
         if not synced_sizes:  # the first sync waits until every batch is written
             deadline = time.monotonic() + 10
             while os.fstat(descriptor).st_size < total and time.monotonic() < deadline:
@@ -632,9 +633,20 @@ def test_partial_writer_syncs_the_file_as_it_grows_without_waiting_for_the_disk(
     monkeypatch.setattr(host_module, "BLOB_SYNC_BYTES", 3000)
     monkeypatch.setattr(host_module, "_sync_data", slow_sync)
 
+    async def write_batches_then_finish(partial_file: Any) -> None:
+        writer = _PartialWriter(partial_file, hashlib.sha256(), 1000)
+        for batch in batches:
+            buffer = await writer.free_buffer()
+            buffer[: len(batch)] = batch
+            writer.write(buffer, len(batch))
+        # `finish` skips a sync only asked for; wait (on a loaded machine its thread may start
+        # late) until the first one has started, so that `finish` cannot skip it.
+        assert await trio.to_thread.run_sync(first_sync_started.wait, 10)
+        await writer.finish()
+
     partial = tmp_path / "blob.partial"
     with open(partial, "ab", buffering=0) as partial_file:  # each batch reaches the file at once
-        trio.run(_write_batches, partial_file, hashlib.sha256(), batches)
+        trio.run(write_batches_then_finish, partial_file)
         assert not syncing.is_set()  # no sync outlives `finish`
     # The writer did not wait for the first sync, which saw every batch written; the requests
     # made meanwhile were served by at most one more sync.

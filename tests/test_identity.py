@@ -63,6 +63,7 @@ def test_key_file_readable_by_others_is_refused_with_chmod_advice(
 @pytest.mark.parametrize(
     "content",
     [b"", b"not a key at all", os.urandom(36), b"\x08\x01\x12\x05short", b"x" * 10_000],
+    ids=["empty", "text", "random-36-bytes", "truncated-protobuf", "oversized"],
 )
 def test_corrupt_key_file_is_refused(tmp_path: Path, content: bytes) -> None:
     key_file = tmp_path / "node.key"
@@ -101,6 +102,7 @@ def test_peer_id_derives_from_public_key_bytes_both_ways(tmp_path: Path) -> None
         create_secp256k1_key_pair().public_key.serialize(),
         b"\x08\x01\x12\x10" + b"\x01" * 16,  # Ed25519 type with a 16-byte key
     ],
+    ids=["empty", "garbage", "secp256k1", "short-ed25519"],
 )
 def test_bad_public_key_bytes_are_refused(data: bytes) -> None:
     with pytest.raises(IdentityError):
