@@ -54,11 +54,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     needs_base = {file_of(item) for item in items if "tiny_base" in item.fixturenames}
 
+    for item in items:
+        if "tiny_base" in item.fixturenames:
+            item.add_marker(pytest.mark.timeout(TINY_BASE_TIMEOUT_S))
+
     def rank(item: pytest.Item) -> tuple[int, int, bool]:
         path = file_of(item)
         uses_base = "tiny_base" in item.fixturenames
-        if uses_base:
-            item.add_marker(pytest.mark.timeout(TINY_BASE_TIMEOUT_S))
         if path in FIRST_FILES:
             return (FIRST_FILES.index(path), 0, not uses_base)
         long = LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)

@@ -14,7 +14,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -588,13 +588,21 @@ class _FailingFile:
         return len(data)
 
 
-async def _write_batches(target: Any, digest: Any, batches: list[bytes]) -> None:
-    """Hand each batch to a _PartialWriter of 1000-byte buffers in turn, then finish."""
+async def _write_batches(
+    target: Any,
+    digest: Any,
+    batches: list[bytes],
+    before_finish: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Hand each batch to a _PartialWriter of 1000-byte buffers in turn, await `before_finish`
+    if given, then finish."""
     writer = _PartialWriter(target, digest, 1000)
     for batch in batches:
         buffer = await writer.free_buffer()
         buffer[: len(batch)] = batch
         writer.write(buffer, len(batch))
+    if before_finish is not None:
+        await before_finish()
     await writer.finish()
 
 
@@ -641,20 +649,14 @@ def test_partial_writer_syncs_the_file_as_it_grows_without_waiting_for_the_disk(
     monkeypatch.setattr(host_module, "BLOB_SYNC_BYTES", 3000)
     monkeypatch.setattr(host_module, "_sync_data", slow_sync)
 
-    async def write_batches_then_finish(partial_file: Any) -> None:
-        writer = _PartialWriter(partial_file, hashlib.sha256(), 1000)
-        for batch in batches:
-            buffer = await writer.free_buffer()
-            buffer[: len(batch)] = batch
-            writer.write(buffer, len(batch))
+    async def first_sync_has_started() -> None:
         # `finish` skips a sync only asked for; wait (on a loaded machine its thread may start
         # late) until the first one has started, so that `finish` cannot skip it.
         assert await trio.to_thread.run_sync(first_sync_started.wait, 10)
-        await writer.finish()
 
     partial = tmp_path / "blob.partial"
     with open(partial, "ab", buffering=0) as partial_file:  # each batch reaches the file at once
-        trio.run(write_batches_then_finish, partial_file)
+        trio.run(_write_batches, partial_file, hashlib.sha256(), batches, first_sync_has_started)
         assert not syncing.is_set()  # no sync outlives `finish`
     # The writer did not wait for the first sync, which saw every batch written; the requests
     # made meanwhile were served by at most one more sync.
