@@ -26,6 +26,7 @@ from coordinator.operator_api import CheckpointOut, RoundOut, operator_router
 from coordinator.prometheus import instrument_app
 from coordinator.service import Coordinator
 from coordinator.store import DeltaRecord, RoundRecord
+from protocol.host import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ def serve(config: CoordinatorConfig) -> None:
     import torch
 
     torch.set_num_threads(config.torch_threads)
+    freeze_startup_heap()
     app = create_app(Coordinator(config))
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.http_host, port=config.http_port, log_level="info")

@@ -23,7 +23,7 @@ from node.config import NodeConfig
 from node.health import HealthServer, NodeStatus
 from protocol.blobstore import BlobStore
 from protocol.delta import pack_delta
-from protocol.host import SwarmHost
+from protocol.host import SwarmHost, freeze_startup_heap
 from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
 from protocol.manifest import SignedManifest, sign_manifest
 from protocol.messages import DeltaAnnounced, NodeHeartbeat, decode_message, encode_message
@@ -441,6 +441,7 @@ def run_node(config: NodeConfig) -> list[RoundResult]:
     """Entry point for `skillswarm node run`: runs until its rounds are done or SIGTERM."""
     import signal
 
+    freeze_startup_heap()
     daemon = NodeDaemon(config)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())

@@ -8,6 +8,8 @@ import logging
 import os
 import queue
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -44,6 +46,7 @@ from libp2p.utils.varint import encode_uvarint
 import protocol.host as host_module
 from protocol.blobstore import BlobCorrupted, BlobStore
 from protocol.host import (
+    BLOB_CHUNK_BYTES,
     BLOB_PROTOCOL_ID,
     MAX_GOSSIP_PAYLOAD_BYTES,
     BlobFetchError,
@@ -193,6 +196,28 @@ def test_stop_joins_every_thread_the_host_started(tmp_path: Path) -> None:
 
 
 # Gossip
+
+
+def test_freezing_the_startup_heap_exempts_the_imports_and_still_collects_later_cycles() -> None:
+    """In a process of its own (freezing is for the whole process): what the imports made is
+    frozen, and a reference cycle made afterwards is still collected."""
+    script = (
+        "import gc\n"
+        "import protocol.host\n"
+        "protocol.host.freeze_startup_heap()\n"
+        "frozen = gc.get_freeze_count()\n"
+        "class Peer: pass\n"
+        "a, b = Peer(), Peer()\n"
+        "a.other, b.other = b, a\n"
+        "del a, b\n"
+        "print(frozen, gc.collect())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    frozen, collected = map(int, done.stdout.split())
+    assert frozen > 50_000, frozen  # py-libp2p and its dependencies: about 100 000 objects
+    assert collected >= 2  # the two peers (and their attribute dicts)
 
 
 def test_gossip_reaches_every_peer_with_the_authenticated_origin(hosts: list[SwarmHost]) -> None:
@@ -471,6 +496,52 @@ def test_corrupted_partial_is_detected_and_a_refetch_succeeds(hosts: list[SwarmH
     assert not b.blob_store.has(sha256)
 
     assert b.fetch_blob(a.peer_id, sha256, len(data)).read_bytes() == data
+
+
+def test_a_blob_that_ends_early_while_served_fails_the_fetch_and_its_prefix_is_kept(
+    hosts: list[SwarmHost], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server reads a blob ahead of sending it. When its file ends before the length it
+    offered (here after the first chunk), it sends what it read and resets the stream: the
+    fetch fails, the client keeps exactly those bytes, and a later fetch resumes after them."""
+    a, b, _ = hosts
+    sha256, data = new_blob(a.blob_store, 3 * BLOB_CHUNK_BYTES + 5)
+    a.serve_blob(sha256)
+    served = a.blob_store.path(sha256)
+    real_open = open
+
+    class EndsAfterOneChunk:
+        def __init__(self, file: Any) -> None:
+            self._file, self._reads = file, 0
+
+        def readinto(self, buffer: memoryview) -> int:
+            self._reads += 1
+            return self._file.readinto(buffer) if self._reads == 1 else 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._file, name)
+
+        def __enter__(self) -> EndsAfterOneChunk:
+            return self
+
+        def __exit__(self, *exc_info: object) -> None:
+            self._file.close()
+
+    def open_ending_early(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        file = real_open(path, mode, *args, **kwargs)
+        return EndsAfterOneChunk(file) if Path(path) == served and mode == "rb" else file
+
+    monkeypatch.setattr(host_module, "open", open_ending_early, raising=False)
+    served_before = a.bytes_served
+    with pytest.raises(BlobFetchError):
+        b.fetch_blob(a.peer_id, sha256, len(data))
+    assert a.bytes_served - served_before == BLOB_CHUNK_BYTES
+    assert b.blob_store.partial_path(sha256).read_bytes() == data[:BLOB_CHUNK_BYTES]
+    assert not b.blob_store.has(sha256)
+
+    monkeypatch.undo()
+    assert b.fetch_blob(a.peer_id, sha256, len(data)).read_bytes() == data
+    assert a.bytes_served - served_before == len(data)
 
 
 def test_fetch_timeouts_end_only_their_stream_and_a_later_fetch_completes(
