@@ -470,17 +470,13 @@ class _BatchedNoiseSession(SecureSession):
         many. It waits for nothing (only a failed authentication awaits, to close the
         connection)."""
         taken = 0
-        try:
-            while taken < most and (self._opened or self._sealed):
-                if not self._opened:
-                    self._opened.extend(self._open(self._sealed[0]))
-                    self._sealed.popleft()
-                count = min(most - taken, len(self._opened))
-                for part in self._opened.pop_parts(count):
-                    target.extend(part)
-                taken += count
-        except InvalidTag:
-            await self._fail_authentication()
+        while taken < most and (self._opened or self._sealed):
+            if not self._opened:
+                await self._open_next()  # a whole sealed message is there: nothing to wait for
+            count = min(most - taken, len(self._opened))
+            for part in self._opened.pop_parts(count):
+                target.extend(part)
+            taken += count
         return taken
 
     async def wait_readable(self) -> None:
