@@ -47,6 +47,9 @@ from libp2p.io.exceptions import IncompleteReadError
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.protocol_muxer.multiselect import is_valid_handshake
+from libp2p.protocol_muxer.multiselect_client import MULTISELECT_PROTOCOL_ID, PROTOCOL_NOT_FOUND_MSG
+from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
@@ -64,6 +67,7 @@ from libp2p.stream_muxer.yamux.yamux import (
     YamuxStream,
 )
 from libp2p.tools.anyio_service import background_trio_service
+from libp2p.utils import encode_delim
 from noise.backends.default.ciphers import ChaCha20Cipher
 from noise.constants import MAX_NONCE as NOISE_MAX_NONCE
 from noise.exceptions import NoiseMaxNonceError
@@ -96,6 +100,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BLOB_PROTOCOL_ID = TProtocol("/skillswarm/blob/1.0.0")
+# What a blob client sends before its request: the multistream-select header and its proposal.
+_BLOB_PROPOSAL = encode_delim(MULTISELECT_PROTOCOL_ID.encode()) + encode_delim(
+    BLOB_PROTOCOL_ID.encode()
+)
 
 # libp2p gossipsub drops any RPC frame over 1 MiB (an inbound one is refused before it is read);
 # the frame also carries the topic, origin, sequence number, signature, public key and a signed
@@ -124,6 +132,7 @@ BLOB_SYNC_BYTES = 4 << 20
 MAX_BLOB_REQUEST_BYTES = 1024
 MAX_BLOB_RESPONSE_HEADER_BYTES = 4096
 BLOB_REQUEST_READ_TIMEOUT_S = 30.0
+BLOB_NEGOTIATE_TIMEOUT_S = 30.0  # for the peer's two multistream-select answers
 BLOB_WRITE_STALL_TIMEOUT_S = 60.0
 _FRAME_LENGTH = struct.Struct(">I")
 
@@ -1755,6 +1764,9 @@ class SwarmHost:
                     f"fetching blob {sha256} from {remote} timed out after {timeout} s; "
                     "the partial download is kept for resuming"
                 ) from None
+            finally:
+                if have == 0:
+                    _remove_if_empty(partial)  # refused, or cut before its first byte
         return await trio.to_thread.run_sync(self.blob_store.commit_partial, sha256, digest)
 
     async def _keep_peer_connected(self, peer: ID) -> None:
@@ -1826,18 +1838,48 @@ class SwarmHost:
             raise PeerConnectError(f"{multiaddr_text} is this host's own address")
         return peer_info
 
-    async def _download_range(
-        self, remote: ID, sha256: str, size: int, partial: Path, offset: int, digest: hashlib._Hash
-    ) -> None:
+    async def _open_blob_stream(self, remote: ID, request: bytes) -> INetStream:
+        """Open a blob stream to `remote` and send `request` on it, negotiating the protocol
+        lazily: the multistream-select header, the protocol and the request go out in one
+        write, and the peer's two answers are read afterwards. A stock client waits a round trip
+        for each answer before its first request byte; here a fetch waits for none. A peer that
+        answers "na" has read the request as its next proposal; the stream is reset."""
         assert self._host is not None
-        wanted = size - offset
         try:
-            stream = await self._host.new_stream(remote, [BLOB_PROTOCOL_ID])
+            stream = await self._host.get_network().new_stream(remote)
         except Exception as error:
             raise BlobFetchError(f"could not open a blob stream to {remote}: {error}") from error
         try:
-            request = {"sha256": sha256, "offset": offset, "length": wanted}
-            await stream.write(_frame(msgpack.packb(request)))
+            with trio.fail_after(BLOB_NEGOTIATE_TIMEOUT_S):
+                await stream.write(_BLOB_PROPOSAL + request)
+                communicator = MultiselectCommunicator(stream)
+                answers = [await communicator.read() for _ in range(2)]
+        except BaseException as error:
+            await _reset_quietly(stream)
+            if isinstance(error, trio.TooSlowError):
+                reason = f"no answer within {BLOB_NEGOTIATE_TIMEOUT_S} s"
+            elif isinstance(error, Exception):
+                reason = str(error)
+            else:  # cancelled
+                raise
+            raise BlobFetchError(f"could not open a blob stream to {remote}: {reason}") from error
+        if not is_valid_handshake(answers[0]) or answers[1] != BLOB_PROTOCOL_ID:
+            await _reset_quietly(stream)
+            refused = answers[1] == PROTOCOL_NOT_FOUND_MSG
+            raise BlobFetchError(
+                f"could not open a blob stream to {remote}: "
+                + ("it does not serve the blob protocol" if refused else f"it answered {answers!r}")
+            )
+        stream.set_protocol(BLOB_PROTOCOL_ID)
+        return stream
+
+    async def _download_range(
+        self, remote: ID, sha256: str, size: int, partial: Path, offset: int, digest: hashlib._Hash
+    ) -> None:
+        wanted = size - offset
+        request = _frame(msgpack.packb({"sha256": sha256, "offset": offset, "length": wanted}))
+        stream = await self._open_blob_stream(remote, request)
+        try:
             header = _parse_blob_header(await _read_frame(stream, MAX_BLOB_RESPONSE_HEADER_BYTES))
             if not header["ok"]:
                 raise BlobFetchError(f"peer {remote} refused blob {sha256}: {header['error']}")
@@ -2181,6 +2223,14 @@ class _BackgroundSync:
 
 # fdatasync where the platform has it (it skips metadata such as the modification time).
 _sync_data: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
+
+
+def _remove_if_empty(path: Path) -> None:
+    try:
+        if path.stat().st_size == 0:
+            path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _file_size(blob_file: Any) -> int:

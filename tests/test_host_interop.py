@@ -12,6 +12,7 @@ import os
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,12 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from protocol.blobstore import BlobStore
-from protocol.host import BLOB_PROTOCOL_ID, SwarmHost, _CancelSafeNoiseTransport
+from protocol.host import (
+    BLOB_PROTOCOL_ID,
+    BlobFetchError,
+    SwarmHost,
+    _CancelSafeNoiseTransport,
+)
 from protocol.identity import load_or_create_identity
 
 pytestmark = pytest.mark.timeout(60)
@@ -148,6 +154,44 @@ def test_swarm_host_fetches_a_blob_a_stock_peer_serves(tmp_path: Path, dialer: s
             swarm.fetch_blob, peer.get_id().to_base58(), sha256, len(data)
         )
         assert path.read_bytes() == data
+
+    run_with_stock_peer(tmp_path, exercise)
+
+
+def test_a_fetch_sends_its_request_with_the_protocol_proposal_and_a_refusal_stores_nothing(
+    tmp_path: Path,
+) -> None:
+    """The blob client negotiates lazily: its request is already waiting at the peer when the
+    peer's handler starts, that is before the peer answered the proposal. A peer that does not
+    speak the protocol answers "na": the fetch fails, nothing is stored, and the connection
+    serves a fetch once the peer does speak it."""
+    data = os.urandom(1000)
+    sha256 = BlobStore(tmp_path / "reference").put_bytes(data)
+    buffered_at_start: list[int] = []
+
+    async def serve_blob(stream: INetStream) -> None:
+        yamux = stream.muxed_conn  # type: ignore[attr-defined]
+        stream_id = stream.muxed_stream.stream_id  # type: ignore[attr-defined]
+        buffered_at_start.append(len(yamux.stream_buffers.get(stream_id, b"")))
+        request = await read_frame(stream)
+        assert (request["sha256"], request["offset"]) == (sha256, 0)
+        await stream.write(frame({"ok": True, "size": len(data), "length": len(data)}))
+        await stream.write(data)
+        await stream.close()
+
+    async def exercise(swarm: SwarmHost, peer: IHost) -> None:
+        await connect(swarm, peer, "SwarmHost dials")
+        fetch = partial(swarm.fetch_blob, peer.get_id().to_base58(), sha256, len(data))
+        with pytest.raises(BlobFetchError, match="does not serve the blob protocol"):
+            await trio.to_thread.run_sync(fetch)
+        assert not swarm.blob_store.has(sha256)
+        assert not swarm.blob_store.partial_path(sha256).exists()
+
+        peer.set_stream_handler(TProtocol(BLOB_PROTOCOL_ID), serve_blob)
+        path = await trio.to_thread.run_sync(fetch)
+        assert path.read_bytes() == data
+        request_bytes = len(frame({"sha256": sha256, "offset": 0, "length": len(data)}))
+        assert buffered_at_start == [request_bytes]
 
     run_with_stock_peer(tmp_path, exercise)
 
