@@ -5,7 +5,8 @@ protocol (fetch_blob: disk writes and the final sha256 check included), a bare p
 with stock Noise + Yamux, Python's `ssl` over TCP (a self-signed certificate made on the fly) and
 plain TCP. Rounds run every transport once, so a busy machine slows all of them alike. Prints the
 median MiB/s, the CPU time per MiB (client + server processes), and the ratios to TLS.
-Run: `python bench/bench_transport.py [--mib 64] [--rounds 3] [--only blob,raw,tls,tcp]`.
+Run: `python bench/bench_transport.py [--mib 64] [--rounds 3] [--only blob,raw,tls,tcp]
+[--dir DIR]`.
 """
 
 from __future__ import annotations
@@ -322,14 +323,23 @@ def main() -> None:
     parser.add_argument(
         "--only", default=",".join(TRANSPORTS), help=f"a subset of {','.join(TRANSPORTS)}"
     )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where the blob stores go (default: the temp dir); a tmpfs such as /dev/shm takes "
+        "the disk out of the blob's figure",
+    )
     args = parser.parse_args()
     chosen = [name for name in TRANSPORTS if name in args.only.split(",")]
     if not chosen or not set(args.only.split(",")) <= set(TRANSPORTS):
         parser.error(f"--only takes a subset of {','.join(TRANSPORTS)}, got {args.only}")
+    if args.dir is not None and not args.dir.is_dir():
+        parser.error(f"--dir {args.dir} is not a directory")
     size = args.mib * MIB
 
     results: dict[str, list[Transfer]] = {name: [] for name in chosen}
-    with tempfile.TemporaryDirectory(prefix="bench-transport-") as work:
+    with tempfile.TemporaryDirectory(prefix="bench-transport-", dir=args.dir) as work:
         root = Path(work)
         certificate = make_self_signed_certificate(root)
         run: dict[str, Callable[[], Transfer]] = {
@@ -343,6 +353,8 @@ def main() -> None:
                 results[name].append(run[name]())
 
     print(f"{args.mib} MiB over 127.0.0.1, server process -> this process, {args.rounds} rounds")
+    if args.dir is not None:
+        print(f"blob stores in {args.dir}")
     print(f"{'':50} {'MiB/s':>8} {'CPU ms/MiB':>11} {'(client':>8} {'server)':>8}")
     for name in chosen:
         transfers = results[name]

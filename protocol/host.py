@@ -1859,7 +1859,11 @@ class SwarmHost:
             if isinstance(error, trio.TooSlowError):
                 reason = f"no answer within {BLOB_NEGOTIATE_TIMEOUT_S} s"
             elif isinstance(error, Exception):
-                reason = str(error)
+                # A peer that answers "na" may reset the stream on reading the request as its
+                # next proposal, before its answers are read here.
+                cause = f" ({error.__cause__!r})" if error.__cause__ is not None else ""
+                reason = f"the stream failed before the peer accepted the blob protocol: {error}"
+                reason += cause
             else:  # cancelled
                 raise
             raise BlobFetchError(f"could not open a blob stream to {remote}: {reason}") from error
