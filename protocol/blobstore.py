@@ -198,6 +198,17 @@ class BlobStore:
         """Delete the partial download of a blob, if any."""
         _remove_if_present(self.partial_path(sha256))
 
+    def discard_partial_if_empty(self, sha256: str) -> None:
+        """Delete the partial download of a blob if it holds no byte (a fetch refused or cut
+        before its first byte): there is nothing in it to resume from."""
+        partial = self.partial_path(sha256)
+        try:
+            empty = partial.stat().st_size == 0
+        except FileNotFoundError:
+            return
+        if empty:
+            _remove_if_present(partial)
+
     def commit_partial(self, sha256: str, digest: hashlib._Hash | None = None) -> Path:
         """Verify the partial download hashes to `sha256` and move it into place.
 

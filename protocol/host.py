@@ -1766,7 +1766,7 @@ class SwarmHost:
                 ) from None
             finally:
                 if have == 0:
-                    _remove_if_empty(partial)  # refused, or cut before its first byte
+                    self.blob_store.discard_partial_if_empty(sha256)
         return await trio.to_thread.run_sync(self.blob_store.commit_partial, sha256, digest)
 
     async def _keep_peer_connected(self, peer: ID) -> None:
@@ -1845,33 +1845,37 @@ class SwarmHost:
         for each answer before its first request byte; here a fetch waits for none. A peer that
         answers "na" has read the request as its next proposal; the stream is reset."""
         assert self._host is not None
+        failed = f"could not open a blob stream to {remote}"
         try:
             stream = await self._host.get_network().new_stream(remote)
         except Exception as error:
-            raise BlobFetchError(f"could not open a blob stream to {remote}: {error}") from error
+            raise BlobFetchError(f"{failed}: {error}") from error
         try:
             with trio.fail_after(BLOB_NEGOTIATE_TIMEOUT_S):
                 await stream.write(_BLOB_PROPOSAL + request)
                 communicator = MultiselectCommunicator(stream)
                 answers = [await communicator.read() for _ in range(2)]
-        except BaseException as error:
+        except trio.TooSlowError as error:
             await _reset_quietly(stream)
-            if isinstance(error, trio.TooSlowError):
-                reason = f"no answer within {BLOB_NEGOTIATE_TIMEOUT_S} s"
-            elif isinstance(error, Exception):
-                # A peer that answers "na" may reset the stream on reading the request as its
-                # next proposal, before its answers are read here.
-                cause = f" ({error.__cause__!r})" if error.__cause__ is not None else ""
-                reason = f"the stream failed before the peer accepted the blob protocol: {error}"
-                reason += cause
-            else:  # cancelled
-                raise
-            raise BlobFetchError(f"could not open a blob stream to {remote}: {reason}") from error
+            reason = f"no answer within {BLOB_NEGOTIATE_TIMEOUT_S} s"
+            raise BlobFetchError(f"{failed}: {reason}") from error
+        except Exception as error:
+            # A peer that answers "na" may reset the stream on reading the request as its next
+            # proposal, before its answers are read here.
+            await _reset_quietly(stream)
+            cause = "" if error.__cause__ is None else f" ({error.__cause__!r})"
+            raise BlobFetchError(
+                f"{failed}: the stream failed before the peer accepted the blob protocol: "
+                f"{error}{cause}"
+            ) from error
+        except BaseException:  # cancelled
+            await _reset_quietly(stream)
+            raise
         if not is_valid_handshake(answers[0]) or answers[1] != BLOB_PROTOCOL_ID:
             await _reset_quietly(stream)
             refused = answers[1] == PROTOCOL_NOT_FOUND_MSG
             raise BlobFetchError(
-                f"could not open a blob stream to {remote}: "
+                f"{failed}: "
                 + ("it does not serve the blob protocol" if refused else f"it answered {answers!r}")
             )
         stream.set_protocol(BLOB_PROTOCOL_ID)
@@ -2227,14 +2231,6 @@ class _BackgroundSync:
 
 # fdatasync where the platform has it (it skips metadata such as the modification time).
 _sync_data: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
-
-
-def _remove_if_empty(path: Path) -> None:
-    try:
-        if path.stat().st_size == 0:
-            path.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def _file_size(blob_file: Any) -> int:

@@ -128,6 +128,20 @@ def test_partial_download_commits_when_the_hash_matches(tmp_path: Path) -> None:
     assert not partial.exists()
 
 
+def test_only_an_empty_partial_is_discarded_as_empty(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    empty, started = "a" * 64, "b" * 64
+    empty_partial, _ = store.open_partial(empty)
+    started_partial, _ = store.open_partial(started)
+    started_partial.write_bytes(b"x")
+
+    for sha256 in (empty, started, "c" * 64):  # the last has no partial at all
+        store.discard_partial_if_empty(sha256)
+
+    assert not empty_partial.exists()
+    assert started_partial.read_bytes() == b"x"
+
+
 def test_corrupted_partial_is_deleted_and_reported(tmp_path: Path) -> None:
     store = BlobStore(tmp_path / "blobs")
     data = os.urandom(50_000)
