@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import queue
+import socket
 import struct
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.io.trio import TrioTCPStream
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.network.connection.raw_connection import RawConnection
@@ -57,6 +59,7 @@ from protocol.host import (
     PeerConnectError,
     SwarmHost,
     _CancelSafeRawConnection,
+    _read_cached,
 )
 from protocol.identity import load_or_create_identity
 
@@ -499,7 +502,7 @@ def test_corrupted_partial_is_detected_and_a_refetch_succeeds(hosts: list[SwarmH
 
 
 def test_a_blob_that_ends_early_while_served_fails_the_fetch_and_its_prefix_is_kept(
-    hosts: list[SwarmHost], monkeypatch: pytest.MonkeyPatch
+    hosts: list[SwarmHost], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The server reads a blob ahead of sending it. When its file ends before the length it
     offered (here after the first chunk), it sends what it read and resets the stream: the
@@ -508,15 +511,19 @@ def test_a_blob_that_ends_early_while_served_fails_the_fetch_and_its_prefix_is_k
     sha256, data = new_blob(a.blob_store, 3 * BLOB_CHUNK_BYTES + 5)
     a.serve_blob(sha256)
     served = a.blob_store.path(sha256)
+    first_chunk = tmp_path / "first-chunk"
+    first_chunk.write_bytes(data[:BLOB_CHUNK_BYTES])
     real_open = open
 
     class EndsAfterOneChunk:
-        def __init__(self, file: Any) -> None:
-            self._file, self._reads = file, 0
+        """The served file as the server sees it when opening it (its size), whose bytes then
+        end after the first chunk: the server reads through the descriptor."""
 
-        def readinto(self, buffer: memoryview) -> int:
-            self._reads += 1
-            return self._file.readinto(buffer) if self._reads == 1 else 0
+        def __init__(self, file: Any) -> None:
+            self._file, self._short = file, real_open(first_chunk, "rb")
+
+        def fileno(self) -> int:
+            return self._short.fileno()
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._file, name)
@@ -526,6 +533,7 @@ def test_a_blob_that_ends_early_while_served_fails_the_fetch_and_its_prefix_is_k
 
         def __exit__(self, *exc_info: object) -> None:
             self._file.close()
+            self._short.close()
 
     def open_ending_early(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         file = real_open(path, mode, *args, **kwargs)
@@ -646,6 +654,117 @@ def test_blob_wire_protocol_bounds_requests_and_streams_per_peer(tmp_path: Path)
                         await trio.sleep(0.05)
 
         trio.run(exercise)
+
+
+def test_a_served_blob_the_page_cache_does_not_hold_is_read_in_a_worker_thread(
+    hosts: list[SwarmHost], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server copies what the page cache holds at once and leaves a read that needs the
+    disk to a worker thread (here every read, as if nothing were cached): the blob still
+    arrives byte for byte, and the event loop never ran a read itself."""
+    a, b, _ = hosts
+    sha256, data = new_blob(a.blob_store, 2 * BLOB_CHUNK_BYTES + 7)
+    a.serve_blob(sha256)
+    loop_thread = a._thread  # type: ignore[attr-defined]
+    reader_threads: list[threading.Thread] = []
+    real_preadv = os.preadv
+
+    def recording_preadv(*args: Any) -> int:
+        reader_threads.append(threading.current_thread())
+        return real_preadv(*args)
+
+    monkeypatch.setattr(host_module, "_read_cached", lambda *args: None)
+    monkeypatch.setattr(host_module.os, "preadv", recording_preadv)
+    assert b.fetch_blob(a.peer_id, sha256, len(data)).read_bytes() == data
+    assert len(reader_threads) >= 3
+    assert loop_thread not in reader_threads
+
+
+def test_reading_what_the_page_cache_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(100_000)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    target = memoryview(bytearray(64 << 10))
+    with open(path, "rb") as blob_file:
+        descriptor = blob_file.fileno()
+        assert _read_cached(descriptor, target, 0) == len(target)
+        assert bytes(target) == data[: len(target)]
+        assert _read_cached(descriptor, target, 90_000) == 10_000
+        assert bytes(target[:10_000]) == data[90_000:]
+        assert _read_cached(descriptor, target, len(data)) == 0
+        monkeypatch.setattr(host_module, "_RWF_NOWAIT", None)  # a system without it
+        assert _read_cached(descriptor, target, 0) is None
+
+
+# Connection reads and writes
+
+
+def test_a_connection_reports_its_end_its_reset_and_its_local_close() -> None:
+    async def exercise() -> list[Any]:
+        seen: list[Any] = []
+        async with tcp_connection_pair() as (connection, far_end):
+            await far_end.send_all(b"last words")
+            await far_end.aclose()
+            with trio.fail_after(DELIVERY_TIMEOUT_S):
+                seen.append(await connection.read(1 << 20))
+                seen.append(await connection.read(1 << 20))  # the peer's end
+        async with tcp_connection_pair() as (connection, far_end):
+            far_end.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            await far_end.aclose()  # an abortive close: the peer resets the connection
+            with trio.fail_after(DELIVERY_TIMEOUT_S), pytest.raises(ConnectionClosedError):
+                while True:  # the first write may still be accepted before the reset lands
+                    await connection.write(os.urandom(1 << 20))
+                    await trio.sleep(0.01)
+            seen.append("reset raised")
+        async with tcp_connection_pair() as (connection, far_end):
+            await connection.close()
+            seen.append(await connection.read(1 << 20))  # closed here: the end
+            await connection.write(b"dropped")  # as py-libp2p's TCP stream, dropped
+            with trio.fail_after(DELIVERY_TIMEOUT_S):
+                seen.append(await far_end.receive_some(1 << 20))
+        return seen
+
+    assert trio.run(exercise) == [b"last words", b"", "reset raised", b"", b""]
+
+
+def test_a_connection_that_never_waits_to_read_still_lets_other_tasks_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reads that always find bytes ready pass a schedule point every RAW_YIELD_BYTES: a peer
+    that keeps the socket full cannot starve the rest of the host."""
+    monkeypatch.setattr(host_module, "RAW_READ_BYTES", 64 << 10)
+    monkeypatch.setattr(host_module, "RAW_YIELD_BYTES", 128 << 10)
+    payload = os.urandom(1 << 20)
+
+    async def read_while_another_task_counts() -> tuple[bytes, list[str]]:
+        events: list[str] = []
+        async with tcp_connection_pair() as (connection, far_end):
+            near_socket = connection._socket  # type: ignore[attr-defined]
+            near_socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            with trio.fail_after(DELIVERY_TIMEOUT_S):
+                await far_end.send_all(payload)  # all of it waits in the kernel's buffers
+                await trio.sleep(0.2)
+            received = bytearray()
+
+            async def count() -> None:
+                while True:
+                    events.append("other")
+                    await trio.sleep(0)
+
+            async with trio.open_nursery() as nursery:
+                await connection.read(1)  # the reader runs first from here on
+                received += b"?"
+                nursery.start_soon(count)
+                while len(received) < len(payload):
+                    received += await connection.read(64 << 10)
+                    events.append("read")
+                nursery.cancel_scope.cancel()
+        return bytes(received[1:]), events
+
+    received, events = trio.run(read_while_another_task_counts)
+    assert received == payload[1:]
+    reads_before_the_other_ran = events.index("other")
+    assert 0 < reads_before_the_other_ran < events.count("read") - 1
 
 
 # Connection writes under cancellation
