@@ -146,8 +146,10 @@ RAW_WRITE_PIECE_BYTES = 1 << 20
 # Bytes asked of the socket per read; Noise's small reads are then served from what came back.
 RAW_READ_BYTES = 1 << 20
 # Reads and writes that find the socket ready let the host's other tasks run once this many bytes
-# have moved without a wait.
+# have moved, or this many calls have been made, without a wait (small frames, such as a flood of
+# pings, move few bytes per call).
 RAW_YIELD_BYTES = 4 << 20
+RAW_YIELD_CALLS = 64
 # Noise transport messages: a 2-byte big-endian length, then at most 65535 bytes of ciphertext,
 # of which the last 16 are the ChaCha20-Poly1305 tag.
 NOISE_TAG_BYTES = 16
@@ -163,6 +165,7 @@ NOISE_MAX_WIRE_BYTES = _NOISE_LENGTH.size + 65535
 # through the frame loop: sixteen messages a frame instead of four saved 2-4% of a loopback blob's
 # time. A stream write hands the connection up to YAMUX_WRITE_BATCH_BYTES at once.
 YAMUX_FRAME_PAYLOAD_BYTES = 16 * NOISE_MAX_PLAINTEXT_BYTES
+assert YAMUX_FRAME_PAYLOAD_BYTES <= 1 << 20  # rust-yamux's and jvm-libp2p's bound on a frame
 YAMUX_WRITE_BATCH_BYTES = 1 << 20
 # A blob server reads and sends BLOB_CHUNK_BYTES at a time, and a download receives into buffers
 # of that size: one whole frame, so that every Noise message of a frame's payload fits whole in the
@@ -387,6 +390,7 @@ class _CancelSafeRawConnection(IRawConnection):
         self._read_offset = 0
         self._socket = _tcp_socket_of(conn)
         self._unyielded = 0  # bytes moved on the socket since the last schedule point
+        self._unyielded_calls = 0  # reads and writes made since then
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         """Send all of `data`, RAW_WRITE_PIECE_BYTES at a time, each piece under its own
@@ -432,10 +436,10 @@ class _CancelSafeRawConnection(IRawConnection):
         py-libp2p's TCP stream goes through trio's SocketStream, which passes through the
         scheduler after every send that succeeds and takes a lock per write. A write here is a
         plain non-blocking send, repeated once the socket is writable, with a schedule point
-        only every RAW_YIELD_BYTES. With reads done the same way, a 256 MiB loopback blob cost
-        its server 2.8 ms of CPU per MiB instead of 3.1, and its client's event loop 2.0
-        instead of 2.2-2.3. Errors read as they do there: a connection closed here drops the
-        write, one broken by the peer raises ConnectionClosedError.
+        only every RAW_YIELD_BYTES or RAW_YIELD_CALLS. With reads done the same way, a 256 MiB
+        loopback blob cost its server 2.8 ms of CPU per MiB instead of 3.1, and its client's
+        event loop 2.0 instead of 2.2-2.3. Errors read as they do there: a connection closed
+        here drops the write, one broken by the peer raises ConnectionClosedError.
         """
         sock = self._socket
         assert sock is not None
@@ -477,7 +481,7 @@ class _CancelSafeRawConnection(IRawConnection):
 
     async def _wait_for(self, wait: Callable[[Any], Awaitable[None]]) -> bool:
         """Wait until the socket is ready; False if it was closed here meanwhile."""
-        self._unyielded = 0  # waiting is a schedule point
+        self._unyielded = self._unyielded_calls = 0  # waiting is a schedule point
         try:
             await wait(self._socket)
         except trio.ClosedResourceError:
@@ -485,11 +489,13 @@ class _CancelSafeRawConnection(IRawConnection):
         return True
 
     async def _count_and_maybe_yield(self, count: int) -> None:
-        """Let other tasks run once RAW_YIELD_BYTES have moved without waiting: a peer that
-        keeps the socket busy must not keep the rest of the host from running."""
+        """Let other tasks run once RAW_YIELD_BYTES have moved, or RAW_YIELD_CALLS reads and
+        writes were made, without waiting: a peer that keeps the socket busy must not keep the
+        rest of the host from running."""
         self._unyielded += count
-        if self._unyielded >= RAW_YIELD_BYTES:
-            self._unyielded = 0
+        self._unyielded_calls += 1
+        if self._unyielded >= RAW_YIELD_BYTES or self._unyielded_calls >= RAW_YIELD_CALLS:
+            self._unyielded = self._unyielded_calls = 0
             await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def close(self) -> None:
@@ -1706,8 +1712,10 @@ class SwarmHost:
 
         A child task reads the chunks into BLOB_SEND_BUFFERS reusable buffers, ahead of the
         sending: the next chunk is read while this one is written. A chunk the page cache
-        holds is copied at once (_read_cached); one that must come from the disk is read in a
-        worker thread, so the event loop never waits for the disk. Read in turn, the event loop
+        holds is copied at once (_read_cached); what of it must come from the disk is read in
+        a worker thread, so the event loop never waits for the disk, and every chunk but the
+        last is whole (a short one would leave every later frame across two of the receiver's
+        buffers). Read in turn, the event loop
         sat idle for each read's trip through a worker thread, a quarter of a loopback
         transfer. An error of either side is raised once both have stopped.
         """
@@ -1724,13 +1732,15 @@ class SwarmHost:
             remaining, position = length, blob_file.tell()
             descriptor = blob_file.fileno()
             try:
+                if hasattr(os, "posix_fadvise"):  # the kernel's readahead, for what is not cached
+                    os.posix_fadvise(descriptor, position, length, os.POSIX_FADV_SEQUENTIAL)
                 while remaining > 0:
                     buffer = await free.receive()
                     wanted = buffer[: min(remaining, size)]
-                    count = _read_cached(descriptor, wanted, position)
-                    if count is None:
-                        count = await trio.to_thread.run_sync(
-                            os.preadv, descriptor, [wanted], position
+                    count = _read_cached(descriptor, wanted, position) or 0
+                    if count < len(wanted):  # the rest (or the end) is the disk's to tell
+                        count += await trio.to_thread.run_sync(
+                            os.preadv, descriptor, [wanted[count:]], position + count
                         )
                     if not count:
                         raise OSError(f"blob {sha256} shrank while being served")
