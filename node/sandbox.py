@@ -13,7 +13,6 @@ tests, the report channel or the per-run token, and cannot forge a passing repor
 
 from __future__ import annotations
 
-import ast
 import marshal
 import math
 import os
@@ -29,6 +28,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from node import pyast
 
 MiB = 1024 * 1024
 # Largest message either side of the candidate pipe accepts (arguments in, return value out).
@@ -1039,7 +1040,7 @@ def _read_reports(
     done = False
     for piece in report.split(token.encode())[1:]:
         try:
-            record = ast.literal_eval(piece.split(b"\n", 1)[0].decode("utf-8", "replace"))
+            record = pyast.literal_eval(piece.split(b"\n", 1)[0].decode("utf-8", "replace"))
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             continue
         if not isinstance(record, tuple) or not record:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from node import pyast
 from node.envs import register_environment
 from node.envs.base import (
     Environment,
@@ -367,7 +368,7 @@ class FileTask:
 
 
 def _defines_check(test: str) -> bool:
-    tree = ast.parse(test)
+    tree = pyast.parse(test)
     return any(isinstance(node, ast.FunctionDef) and node.name == "check" for node in tree.body)
 
 

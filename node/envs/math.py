@@ -18,6 +18,7 @@ from decimal import Decimal, DefaultContext, localcontext
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from node import pyast
 from node.envs import register_environment
 from node.envs.base import (
     Environment,
@@ -126,7 +127,7 @@ def evaluate_expression(expression: str) -> Fraction:
         with warnings.catch_warnings():
             # Model-written text such as "5or 6" draws SyntaxWarnings from the parser on stderr.
             warnings.simplefilter("ignore", SyntaxWarning)
-            tree = ast.parse(expression.strip(), mode="eval")
+            tree = pyast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as error:
         raise CalculatorError("expression is not valid arithmetic") from error
     try:
