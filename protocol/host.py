@@ -1715,9 +1715,9 @@ class SwarmHost:
         holds is copied at once (_read_cached); what of it must come from the disk is read in
         a worker thread, so the event loop never waits for the disk, and every chunk but the
         last is whole (a short one would leave every later frame across two of the receiver's
-        buffers). Read in turn, the event loop
-        sat idle for each read's trip through a worker thread, a quarter of a loopback
-        transfer. An error of either side is raised once both have stopped.
+        buffers). Read in turn, the event loop sat idle for each read's trip through a worker
+        thread, a quarter of a loopback transfer. An error of either side is raised once both
+        have stopped.
         """
         size = min(length, BLOB_CHUNK_BYTES)
         free_send, free = trio.open_memory_channel[memoryview](BLOB_SEND_BUFFERS)
@@ -1737,7 +1737,7 @@ class SwarmHost:
                 while remaining > 0:
                     buffer = await free.receive()
                     wanted = buffer[: min(remaining, size)]
-                    count = _read_cached(descriptor, wanted, position) or 0
+                    count = _read_cached(descriptor, wanted, position)
                     if count < len(wanted):  # the rest (or the end) is the disk's to tell
                         count += await trio.to_thread.run_sync(
                             os.preadv, descriptor, [wanted[count:]], position + count
@@ -2348,24 +2348,24 @@ class _BackgroundSync:
 _sync_data: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
 
 
-def _read_cached(descriptor: int, target: memoryview, position: int) -> int | None:
+def _read_cached(descriptor: int, target: memoryview, position: int) -> int:
     """Read into `target` from `position` what the page cache holds of it, without waiting for
-    the disk (Linux's RWF_NOWAIT); returns how many bytes (0 at the end of the file), or None
-    if the first of them would need the disk, or on a system without RWF_NOWAIT.
+    the disk (Linux's RWF_NOWAIT); returns how many bytes: 0 at the end of the file, when the
+    first of them would need the disk, and on a system without RWF_NOWAIT.
 
     Handing each read of a served blob to a worker thread cost the event loop more CPU than the
     copy (a lock, a wakeup and the result's trip back per chunk); a blob just written or served
     is nearly always cached.
     """
     if _RWF_NOWAIT is None:
-        return None
+        return 0
     try:
         return os.preadv(descriptor, [target], position, _RWF_NOWAIT)
     except BlockingIOError:
-        return None
+        return 0
     except OSError as error:
         if error.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it
-            return None
+            return 0
         raise
 
 
