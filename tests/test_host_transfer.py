@@ -667,8 +667,16 @@ def test_partial_writer_stops_after_a_failed_sync(
     it and the partial file holds a prefix of the batches, nothing out of order."""
     import protocol.host as host_module
 
+    sync_tried = threading.Event()
+
     def failing_sync(descriptor: int) -> None:
+        sync_tried.set()
         raise OSError(5, "Input/output error")
+
+    async def until_the_sync_was_tried() -> None:
+        # A sync only asked for when the writer finishes is skipped (the commit's fsync covers
+        # it): wait for the one asked for mid-download to have run.
+        assert await trio.to_thread.run_sync(sync_tried.wait, DELIVERY_TIMEOUT_S)
 
     monkeypatch.setattr(host_module, "BLOB_SYNC_BYTES", 2000)
     monkeypatch.setattr(host_module, "_sync_data", failing_sync)
@@ -676,7 +684,7 @@ def test_partial_writer_stops_after_a_failed_sync(
 
     partial = tmp_path / "blob.partial"
     with open(partial, "ab") as partial_file, pytest.raises(OSError, match="Input/output"):
-        trio.run(_write_batches, partial_file, hashlib.sha256(), batches)
+        trio.run(_write_batches, partial_file, hashlib.sha256(), batches, until_the_sync_was_tried)
     written = partial.read_bytes()
     assert len(written) >= 2000  # the failure came from the sync asked for at 2000 bytes
     assert written == b"".join(batches)[: len(written)]
