@@ -80,6 +80,7 @@ from protocol.blobstore import (
     InvalidBlobId,
     validate_blob_id,
 )
+from protocol.directio import AppendFile, open_for_append
 from protocol.identity import peer_id_of
 
 __all__ = [
@@ -2102,7 +2103,8 @@ async def _receive_into(
     of the rest of the blob, kept for resuming.
     """
     muxed = getattr(stream, "muxed_stream", None)
-    with open(partial, "ab") as partial_file:
+    partial_file = open_for_append(partial)
+    try:
         writer = _PartialWriter(partial_file, digest, min(count, BLOB_CHUNK_BYTES))
         try:
             if isinstance(muxed, _BatchedYamuxStream):
@@ -2111,6 +2113,8 @@ async def _receive_into(
         finally:
             with trio.CancelScope(shield=True):
                 await writer.finish()
+    finally:
+        partial_file.close()
 
 
 async def _receive_lent(stream: _BatchedYamuxStream, writer: _PartialWriter, count: int) -> int:
@@ -2203,18 +2207,21 @@ class _PartialWriter:
     worker thread, from a pool of BLOB_WRITE_BUFFERS reusable buffers.
 
     Disk writes and sha256 both release the GIL: in a thread they overlap the receiving of the next
-    batches instead of holding up the host's event loop (sha256 about 0.7 ms of CPU per MiB and the
-    write 0.3-1.2, nearly as much as the rest of the receiving). Several buffers let a slow write
-    or a late network read pass without stalling the other side. Every BLOB_SYNC_BYTES the file is
-    synced to disk by a _BackgroundSync, so that writeback overlaps the transfer and the writer
-    never waits for the disk. After a failed write or sync nothing more is written, so the file
-    holds a correct prefix; the error is raised by the next `free_buffer` or by `finish`.
+    batches instead of holding up the host's event loop (sha256 about 0.6 ms of CPU per MiB). The
+    file is one from `open_for_append`, written around the page cache where the file system
+    allows (0.1-0.2 ms per MiB instead of 0.5-2.9). Several buffers let a slow write or a late
+    network read pass without stalling the other side. Every BLOB_SYNC_BYTES the file is synced
+    to disk by a _BackgroundSync, so that writeback overlaps the transfer and the writer never
+    waits for the disk; what the file still stages is written once the last batch is. After a
+    failed write or sync nothing more is written, so the file holds a correct prefix; the error
+    is raised by the next `free_buffer` or by `finish`.
     """
 
-    def __init__(self, partial_file: BinaryIO, digest: hashlib._Hash, buffer_bytes: int) -> None:
+    def __init__(self, partial_file: AppendFile, digest: hashlib._Hash, buffer_bytes: int) -> None:
         self._file = partial_file
         self._digest = digest
         self._jobs: queue.SimpleQueue[tuple[memoryview, int] | None] = queue.SimpleQueue()
+        self._hash_jobs: queue.SimpleQueue[tuple[memoryview, int] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._free_send, self._free = trio.open_memory_channel[memoryview](BLOB_WRITE_BUFFERS)
         for _ in range(BLOB_WRITE_BUFFERS):
@@ -2249,8 +2256,9 @@ class _PartialWriter:
         the buffer alone until `free_buffer` hands it out again."""
         if not self._started:
             self._started = True
+            trio.lowlevel.start_thread_soon(self._work, lambda _: None)
             trio.lowlevel.start_thread_soon(
-                self._work, lambda _: self._token.run_sync_soon(self._stopped.set)
+                self._hash, lambda _: self._token.run_sync_soon(self._stopped.set)
             )
         self._jobs.put((buffer, length))
 
@@ -2269,6 +2277,8 @@ class _PartialWriter:
             raise self._error
 
     def _work(self) -> None:
+        """The writing thread: writes each batch, then passes it on to the hashing thread, which
+        hashes it while the next one is written (a direct write waits for the disk)."""
         try:
             while (job := self._jobs.get()) is not None:
                 buffer, length = job
@@ -2277,18 +2287,35 @@ class _PartialWriter:
                         self._write_batch(buffer[:length])
                     except BaseException as error:  # handed to the event loop, not lost here
                         self._error = error
-                self._token.run_sync_soon(self._free_send.send_nowait, buffer)
+                if self._error is None:
+                    self._hash_jobs.put(job)
+                else:  # not written, so not hashed: the digest stays that of the file's bytes
+                    self._token.run_sync_soon(self._free_send.send_nowait, buffer)
+            if self._error is None:
+                try:
+                    self._file.flush()  # what the file still stages, written here, off the loop
+                except BaseException as error:
+                    self._error = error
         finally:
             if self._syncer is not None:
                 self._syncer.close()
                 self._error = self._error or self._syncer.error
+            self._hash_jobs.put(None)
+
+    def _hash(self) -> None:
+        """The hashing thread: feeds the digest each written batch, in order, and frees its
+        buffer; it ends after the writing thread."""
+        while (job := self._hash_jobs.get()) is not None:
+            buffer, length = job
+            with buffer[:length] as batch:
+                self._digest.update(batch)
+            self._token.run_sync_soon(self._free_send.send_nowait, buffer)
 
     def _write_batch(self, batch: memoryview) -> None:
-        """Write and hash one batch, ask for a sync every BLOB_SYNC_BYTES, and raise the error
-        of a failed sync."""
+        """Write one batch, ask for a sync every BLOB_SYNC_BYTES, and raise the error of a
+        failed sync."""
         with batch:
             self._file.write(batch)
-            self._digest.update(batch)
             self._unsynced += len(batch)
         if self._unsynced >= BLOB_SYNC_BYTES:
             self._file.flush()

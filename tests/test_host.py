@@ -47,6 +47,7 @@ from libp2p.utils.varint import encode_uvarint
 
 import protocol.host as host_module
 from protocol.blobstore import BlobCorrupted, BlobStore
+from protocol.directio import supports_direct_io
 from protocol.host import (
     BLOB_CHUNK_BYTES,
     BLOB_PROTOCOL_ID,
@@ -432,6 +433,25 @@ def test_fetched_blob_is_byte_identical(hosts: list[SwarmHost]) -> None:
     served = a.bytes_served
     assert b.fetch_blob(a.peer_id, sha256, len(data)) == path  # already present: no transfer
     assert a.bytes_served == served
+
+
+def test_a_fetched_blob_is_written_around_the_page_cache(hosts: list[SwarmHost]) -> None:
+    """Downloads go to disk with O_DIRECT where the file system takes it: a blob fetched is not
+    left in the page cache, where it would evict what the trainer or the merge is using."""
+    a, b, _ = hosts
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if nowait is None or not supports_direct_io(b.blob_store.root):
+        pytest.skip("no O_DIRECT in the temp dir, or no RWF_NOWAIT to ask the page cache with")
+    sha256, data = new_blob(a.blob_store, 3 * (1 << 20))
+    a.serve_blob(sha256)
+    path = b.fetch_blob(a.peer_id, sha256, len(data))
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):  # the read would have to wait for the disk
+            os.preadv(descriptor, [bytearray(4096)], 1 << 20, nowait)
+    finally:
+        os.close(descriptor)
+    assert path.read_bytes() == data
 
 
 def test_blob_not_served_is_refused(hosts: list[SwarmHost]) -> None:

@@ -582,6 +582,9 @@ class _FailingFile:
         self.written += data
         return len(data)
 
+    def flush(self) -> None:
+        pass  # every write reaches `written` at once
+
 
 async def _write_batches(
     target: Any,

@@ -1,0 +1,158 @@
+"""Appending a download to its file without the page cache (O_DIRECT), where the system has it.
+
+A blob is written once, hashed on the way in, and read later, if at all, by whoever decodes it:
+keeping hundreds of MiB of it in the page cache only evicts what the trainer or the merge is
+using, and filling fresh page-cache pages is most of the write's CPU time. A download's writer
+thread spent 0.5-0.6 ms of system time per MiB writing through the cache here, 2.3-2.9 ms when
+the VM's host had taken the free memory back (each new page then faults on the host), and
+0.1-0.2 ms writing directly.
+Direct writes need aligned offsets, lengths and memory: the bytes go through an aligned staging
+buffer, and what does not fill an aligned block (the head up to the first boundary, the tail at
+a flush) is written through the page cache. A file system that refuses O_DIRECT gets plain
+buffered writes, as does everything after a direct write it refuses.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from pathlib import Path
+from typing import Protocol
+
+# Covers the 512- and 4096-byte logical blocks of common disks, and the page size.
+DIRECT_IO_ALIGN_BYTES = 4096
+DIRECT_STAGING_BYTES = 4 << 20
+_O_DIRECT: int | None = getattr(os, "O_DIRECT", None)
+
+
+class AppendFile(Protocol):
+    """What a download writes through: the part of a binary file it uses."""
+
+    def write(self, data: memoryview) -> object: ...
+    def flush(self) -> None: ...
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class DirectAppender:
+    """Appends to an existing file: aligned blocks with O_DIRECT, the rest through the page cache.
+
+    Bytes are written in order, so after any error the file holds a prefix of what was given;
+    bytes still staged reach the file at `flush` or `close`. `direct_bytes` counts the bytes
+    written directly.
+    """
+
+    def __init__(self, path: Path) -> None:
+        if _O_DIRECT is None:
+            raise OSError(errno.EINVAL, "this system has no O_DIRECT")
+        self._plain = os.open(path, os.O_WRONLY)
+        try:
+            self._direct: int | None = os.open(path, os.O_WRONLY | _O_DIRECT)
+        except OSError:
+            os.close(self._plain)
+            raise
+        self._position = os.fstat(self._plain).st_size
+        self._staging = mmap.mmap(-1, DIRECT_STAGING_BYTES)  # page-aligned memory
+        self._view = memoryview(self._staging)
+        self._staged = 0
+        self._closed = False
+        self.direct_bytes = 0
+
+    def write(self, data: memoryview | bytes | bytearray) -> int:
+        data = memoryview(data).cast("B")
+        total = len(data)
+        while data:
+            misaligned = self._position % DIRECT_IO_ALIGN_BYTES
+            if self._staged == 0 and misaligned:  # up to the next boundary, through the cache
+                head = data[: DIRECT_IO_ALIGN_BYTES - misaligned]
+                self._write_plain(head)
+                data = data[len(head) :]
+                continue
+            count = min(len(data), len(self._view) - self._staged)
+            self._view[self._staged : self._staged + count] = data[:count]
+            self._staged += count
+            data = data[count:]
+            if self._staged == len(self._view):
+                self._write_staged_blocks()
+        return total
+
+    def flush(self) -> None:
+        """Write everything staged: the whole blocks directly, the rest through the cache."""
+        self._write_staged_blocks()
+        if self._staged:
+            self._write_plain(self._view[: self._staged])
+            self._staged = 0
+
+    def fileno(self) -> int:
+        return self._plain
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._view.release()
+            self._staging.close()
+            if self._direct is not None:
+                os.close(self._direct)
+            os.close(self._plain)
+
+    def _write_staged_blocks(self) -> None:
+        blocks = self._staged - self._staged % DIRECT_IO_ALIGN_BYTES
+        if not blocks:
+            return
+        self._write_direct(self._view[:blocks])
+        rest = self._staged - blocks
+        self._view[:rest] = self._view[blocks : self._staged]
+        self._staged = rest
+
+    def _write_direct(self, blocks: memoryview) -> None:
+        written = 0
+        if self._direct is not None:
+            try:
+                written = os.pwrite(self._direct, blocks, self._position)
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                # Alignment this file system or device does not take: no more direct writes.
+                os.close(self._direct)
+                self._direct = None
+            self._position += written
+            self.direct_bytes += written
+        if written < len(blocks):
+            self._write_plain(blocks[written:])
+
+    def _write_plain(self, data: memoryview) -> None:
+        while data:
+            written = os.pwrite(self._plain, data, self._position)
+            self._position += written
+            data = data[written:]
+
+
+def supports_direct_io(directory: Path) -> bool:
+    """Whether files in `directory` can be opened with O_DIRECT (a probe file is made, then
+    removed)."""
+    if _O_DIRECT is None:
+        return False
+    probe = Path(directory) / f".direct-io-probe-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | _O_DIRECT, 0o600))
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return True
+
+
+def open_for_append(path: Path) -> AppendFile:
+    """`path` (which must exist) opened for appending: a DirectAppender where the system and the
+    file system take O_DIRECT, else an ordinary binary file in append mode."""
+    try:
+        return DirectAppender(path)
+    except OSError as error:
+        if error.errno != errno.EINVAL:
+            raise
+        return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND), "ab")

@@ -1,0 +1,151 @@
+"""Appending downloads with O_DIRECT: the bytes land in order, whatever the offsets and sizes."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+import protocol.directio as directio
+from protocol.directio import (
+    DIRECT_IO_ALIGN_BYTES,
+    DIRECT_STAGING_BYTES,
+    DirectAppender,
+    open_for_append,
+    supports_direct_io,
+)
+
+
+@pytest.fixture
+def direct_dir(tmp_path: Path) -> Path:
+    if not supports_direct_io(tmp_path):
+        pytest.skip("the temp dir's file system does not take O_DIRECT")
+    return tmp_path
+
+
+@pytest.mark.parametrize("start", [0, 1, DIRECT_IO_ALIGN_BYTES - 1, DIRECT_IO_ALIGN_BYTES, 70_001])
+def test_appends_exactly_the_bytes_given_from_any_start(direct_dir: Path, start: int) -> None:
+    rng = random.Random(start)
+    path = direct_dir / "blob.partial"
+    existing = rng.randbytes(start)
+    path.write_bytes(existing)
+    # Sizes that straddle blocks and the staging buffer, with flushes (as a sync asks) between.
+    sizes = [1, 4095, 4097, 1_048_304, DIRECT_STAGING_BYTES, 3, 2 * DIRECT_STAGING_BYTES + 17]
+    sizes += [rng.randrange(1, 300_000) for _ in range(8)]
+    pieces = [rng.randbytes(size) for size in sizes]
+    with closing(DirectAppender(path)) as appender:
+        for number, piece in enumerate(pieces):
+            assert appender.write(memoryview(piece)) == len(piece)
+            if number % 3 == 2:
+                appender.flush()
+    assert path.read_bytes() == existing + b"".join(pieces)
+    # Nearly all of it went around the page cache.
+    assert appender.direct_bytes >= sum(sizes) - 8 * DIRECT_IO_ALIGN_BYTES
+
+
+def test_direct_writes_leave_the_page_cache_alone(direct_dir: Path) -> None:
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if nowait is None:
+        pytest.skip("no RWF_NOWAIT to ask the page cache with")
+    path = direct_dir / "blob.partial"
+    path.touch()
+    with closing(DirectAppender(path)) as appender:
+        appender.write(os.urandom(DIRECT_STAGING_BYTES))
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        # A read that the page cache cannot answer at once fails rather than wait for the disk.
+        with pytest.raises(BlockingIOError):
+            os.preadv(descriptor, [bytearray(DIRECT_IO_ALIGN_BYTES)], 0, nowait)
+    finally:
+        os.close(descriptor)
+
+
+def test_a_refused_direct_write_goes_through_the_page_cache(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device or file system that refuses the alignment (EINVAL) gets the bytes buffered,
+    this write and every later one."""
+    path = direct_dir / "blob.partial"
+    path.touch()
+    real_pwrite = os.pwrite
+    refused: list[int] = []
+
+    def pwrite(descriptor: int, data: memoryview, position: int) -> int:
+        if fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(position)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(descriptor, data, position)
+
+    monkeypatch.setattr(directio.os, "pwrite", pwrite)
+    pieces = [os.urandom(DIRECT_STAGING_BYTES + 5) for _ in range(3)]
+    with closing(DirectAppender(path)) as appender:
+        for piece in pieces:
+            appender.write(piece)
+    assert path.read_bytes() == b"".join(pieces)
+    assert refused == [0]  # tried once, then never again
+    assert appender.direct_bytes == 0
+
+
+def test_a_failed_write_leaves_a_prefix_and_is_raised(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = direct_dir / "blob.partial"
+    path.touch()
+    real_pwrite = os.pwrite
+    calls = 0
+
+    def pwrite(descriptor: int, data: memoryview, position: int) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(descriptor, data, position)
+
+    monkeypatch.setattr(directio.os, "pwrite", pwrite)
+    data = os.urandom(5 * DIRECT_STAGING_BYTES)
+    appender = DirectAppender(path)
+    with pytest.raises(OSError, match="No space left"):
+        appender.write(data)
+    monkeypatch.setattr(directio.os, "pwrite", real_pwrite)
+    written = path.read_bytes()
+    assert len(written) == 2 * DIRECT_STAGING_BYTES
+    assert written == data[: len(written)]
+    appender.close()  # what is still staged follows on, in order
+    written = path.read_bytes()
+    assert len(written) > 2 * DIRECT_STAGING_BYTES and written == data[: len(written)]
+
+
+def test_open_for_append_falls_back_to_a_plain_file_without_o_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "blob.partial"
+    path.write_bytes(b"head")
+    monkeypatch.setattr(directio, "_O_DIRECT", None)  # as on a system without O_DIRECT
+    appended = open_for_append(path)
+    assert not isinstance(appended, DirectAppender)
+    appended.write(memoryview(b"-tail"))
+    appended.close()
+    assert path.read_bytes() == b"head-tail"
+
+
+def test_supports_direct_io_probes_and_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    supported = supports_direct_io(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    if supported:  # the probe's answer is what opening a file with O_DIRECT there does
+        (tmp_path / "f").touch()
+        os.close(os.open(tmp_path / "f", os.O_WRONLY | os.O_DIRECT))
+    assert not supports_direct_io(tmp_path / "absent")
+    monkeypatch.setattr(directio, "_O_DIRECT", None)
+    assert not supports_direct_io(tmp_path)
+
+
+def test_open_for_append_needs_the_file_to_exist(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        open_for_append(tmp_path / "absent.partial")
