@@ -46,14 +46,19 @@ class DirectAppender:
     def __init__(self, path: Path) -> None:
         if _O_DIRECT is None:
             raise OSError(errno.EINVAL, "this system has no O_DIRECT")
-        self._plain = os.open(path, os.O_WRONLY)
+        self._staging = mmap.mmap(-1, DIRECT_STAGING_BYTES)  # page-aligned memory
+        try:
+            self._plain = os.open(path, os.O_WRONLY)
+        except OSError:
+            self._staging.close()
+            raise
         try:
             self._direct: int | None = os.open(path, os.O_WRONLY | _O_DIRECT)
         except OSError:
             os.close(self._plain)
+            self._staging.close()
             raise
         self._position = os.fstat(self._plain).st_size
-        self._staging = mmap.mmap(-1, DIRECT_STAGING_BYTES)  # page-aligned memory
         self._view = memoryview(self._staging)
         self._staged = 0
         self._closed = False
