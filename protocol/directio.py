@@ -17,11 +17,13 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-# Covers the 512- and 4096-byte logical blocks of common disks, and the page size.
-DIRECT_IO_ALIGN_BYTES = 4096
+# Covers the 512- and 4096-byte logical blocks of common disks, and the page size (so that a
+# block written through the page cache never shares a page with one written directly).
+DIRECT_IO_ALIGN_BYTES = max(4096, mmap.PAGESIZE)
 DIRECT_STAGING_BYTES = 4 << 20
 _O_DIRECT: int | None = getattr(os, "O_DIRECT", None)
 
@@ -38,103 +40,139 @@ class AppendFile(Protocol):
 class DirectAppender:
     """Appends to an existing file: aligned blocks with O_DIRECT, the rest through the page cache.
 
-    Bytes are written in order, so after any error the file holds a prefix of what was given;
-    bytes still staged reach the file at `flush` or `close`. `direct_bytes` counts the bytes
-    written directly.
+    Bytes are written in order; bytes still staged reach the file at `flush` or `close`. After a
+    write fails, nothing more is written (`write` and `flush` raise AppendFailed, `close` only
+    closes): the file holds a prefix of what was given. `direct_bytes` counts the bytes written
+    directly.
     """
 
     def __init__(self, path: Path) -> None:
         if _O_DIRECT is None:
             raise OSError(errno.EINVAL, "this system has no O_DIRECT")
         self._staging = mmap.mmap(-1, DIRECT_STAGING_BYTES)  # page-aligned memory
+        self._view = memoryview(self._staging)
+        self._plain = self._direct = -1
         try:
             self._plain = os.open(path, os.O_WRONLY)
+            self._direct = os.open(path, os.O_WRONLY | _O_DIRECT)
+            self._position = os.fstat(self._plain).st_size
         except OSError:
-            self._staging.close()
+            self._release()
             raise
-        try:
-            self._direct: int | None = os.open(path, os.O_WRONLY | _O_DIRECT)
-        except OSError:
-            os.close(self._plain)
-            self._staging.close()
-            raise
-        self._position = os.fstat(self._plain).st_size
-        self._view = memoryview(self._staging)
+        self._direct_refused = False
         self._staged = 0
+        self._failed = False
         self._closed = False
         self.direct_bytes = 0
 
     def write(self, data: memoryview | bytes | bytearray) -> int:
-        data = memoryview(data).cast("B")
-        total = len(data)
-        while data:
-            misaligned = self._position % DIRECT_IO_ALIGN_BYTES
-            if self._staged == 0 and misaligned:  # up to the next boundary, through the cache
-                head = data[: DIRECT_IO_ALIGN_BYTES - misaligned]
-                self._write_plain(head)
-                data = data[len(head) :]
-                continue
-            count = min(len(data), len(self._view) - self._staged)
-            self._view[self._staged : self._staged + count] = data[:count]
-            self._staged += count
-            data = data[count:]
-            if self._staged == len(self._view):
-                self._write_staged_blocks()
+        self._check()
+        with memoryview(data) as given, given.cast("B") as whole:
+            total = len(whole)
+            done = 0
+            while done < total:
+                misaligned = self._position % DIRECT_IO_ALIGN_BYTES
+                if self._staged == 0 and misaligned:  # up to the next boundary, via the cache
+                    head = min(total - done, DIRECT_IO_ALIGN_BYTES - misaligned)
+                    self._guarded(self._write_plain, whole, done, done + head)
+                    done += head
+                    continue
+                count = min(total - done, len(self._view) - self._staged)
+                self._view[self._staged : self._staged + count] = whole[done : done + count]
+                self._staged += count
+                done += count
+                if self._staged == len(self._view):
+                    self._write_staged_blocks()
         return total
 
     def flush(self) -> None:
         """Write everything staged: the whole blocks directly, the rest through the cache."""
+        self._check()
+        self._flush()
+
+    def _flush(self) -> None:
         self._write_staged_blocks()
         if self._staged:
-            self._write_plain(self._view[: self._staged])
+            self._guarded(self._write_plain, self._view, 0, self._staged)
             self._staged = 0
 
     def fileno(self) -> int:
         return self._plain
 
     def close(self) -> None:
+        """Flush (unless a write failed) and close; the descriptors are closed even if the
+        flush fails."""
         if self._closed:
             return
+        self._closed = True
         try:
-            self.flush()
+            if not self._failed:
+                self._flush()
         finally:
-            self._closed = True
-            self._view.release()
-            self._staging.close()
-            if self._direct is not None:
-                os.close(self._direct)
-            os.close(self._plain)
+            self._release()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ValueError("write to a closed DirectAppender")
+        if self._failed:
+            raise AppendFailed("an earlier write to this file failed; nothing more is written")
+
+    def _release(self) -> None:
+        for descriptor in (self._direct, self._plain):
+            if descriptor >= 0:
+                os.close(descriptor)
+        self._direct = self._plain = -1
+        self._view.release()
+        self._staging.close()
 
     def _write_staged_blocks(self) -> None:
         blocks = self._staged - self._staged % DIRECT_IO_ALIGN_BYTES
         if not blocks:
             return
-        self._write_direct(self._view[:blocks])
+        self._guarded(self._write_direct, self._view, 0, blocks)
         rest = self._staged - blocks
         self._view[:rest] = self._view[blocks : self._staged]
         self._staged = rest
 
+    def _guarded(
+        self, write: Callable[[memoryview], None], source: memoryview, start: int, end: int
+    ) -> None:
+        """`write(source[start:end])`, marking the appender failed if it raises (some of the
+        bytes may have reached the file: writing them again would break the prefix)."""
+        try:
+            with source[start:end] as part:
+                write(part)
+        except BaseException:
+            self._failed = True
+            raise
+
     def _write_direct(self, blocks: memoryview) -> None:
         written = 0
-        if self._direct is not None:
+        if not self._direct_refused:
             try:
                 written = os.pwrite(self._direct, blocks, self._position)
             except OSError as error:
                 if error.errno != errno.EINVAL:
                     raise
                 # Alignment this file system or device does not take: no more direct writes.
-                os.close(self._direct)
-                self._direct = None
+                self._direct_refused = True
             self._position += written
             self.direct_bytes += written
         if written < len(blocks):
-            self._write_plain(blocks[written:])
+            with blocks[written:] as rest:
+                self._write_plain(rest)
 
     def _write_plain(self, data: memoryview) -> None:
-        while data:
-            written = os.pwrite(self._plain, data, self._position)
+        done = 0
+        while done < len(data):
+            with data[done:] as rest:
+                written = os.pwrite(self._plain, rest, self._position)
             self._position += written
-            data = data[written:]
+            done += written
+
+
+class AppendFailed(OSError):
+    """A DirectAppender was used again after one of its writes failed."""
 
 
 def supports_direct_io(directory: Path) -> bool:

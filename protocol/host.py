@@ -2227,7 +2227,8 @@ class _PartialWriter:
         for _ in range(BLOB_WRITE_BUFFERS):
             self._free_send.send_nowait(memoryview(bytearray(buffer_bytes)))
         self._token = trio.lowlevel.current_trio_token()
-        self._stopped = trio.Event()
+        self._stopped = trio.Event()  # set once both threads have ended
+        self._running_threads = 2
         self._started = False
         self._unsynced = 0  # bytes written since the last sync was asked for
         self._syncer: _BackgroundSync | None = None  # made at the first sync
@@ -2256,10 +2257,10 @@ class _PartialWriter:
         the buffer alone until `free_buffer` hands it out again."""
         if not self._started:
             self._started = True
-            trio.lowlevel.start_thread_soon(self._work, lambda _: None)
-            trio.lowlevel.start_thread_soon(
-                self._hash, lambda _: self._token.run_sync_soon(self._stopped.set)
-            )
+            for work in (self._work, self._hash):
+                trio.lowlevel.start_thread_soon(
+                    work, lambda _: self._token.run_sync_soon(self._thread_ended)
+                )
         self._jobs.put((buffer, length))
 
     async def finish(self) -> None:
@@ -2275,6 +2276,11 @@ class _PartialWriter:
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
+
+    def _thread_ended(self) -> None:
+        self._running_threads -= 1
+        if self._running_threads == 0:
+            self._stopped.set()
 
     def _work(self) -> None:
         """The writing thread: writes each batch, then passes it on to the hashing thread, which
@@ -2297,18 +2303,23 @@ class _PartialWriter:
                 except BaseException as error:
                     self._error = error
         finally:
-            if self._syncer is not None:
-                self._syncer.close()
-                self._error = self._error or self._syncer.error
-            self._hash_jobs.put(None)
+            try:
+                if self._syncer is not None:
+                    self._syncer.close()
+                    self._error = self._error or self._syncer.error
+            finally:
+                self._hash_jobs.put(None)
 
     def _hash(self) -> None:
         """The hashing thread: feeds the digest each written batch, in order, and frees its
         buffer; it ends after the writing thread."""
         while (job := self._hash_jobs.get()) is not None:
             buffer, length = job
-            with buffer[:length] as batch:
-                self._digest.update(batch)
+            try:
+                with buffer[:length] as batch:
+                    self._digest.update(batch)
+            except BaseException as error:  # the download fails; the buffers still come back
+                self._error = self._error or error
             self._token.run_sync_soon(self._free_send.send_nowait, buffer)
 
     def _write_batch(self, batch: memoryview) -> None:

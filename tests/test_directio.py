@@ -15,6 +15,7 @@ import protocol.directio as directio
 from protocol.directio import (
     DIRECT_IO_ALIGN_BYTES,
     DIRECT_STAGING_BYTES,
+    AppendFailed,
     DirectAppender,
     open_for_append,
     supports_direct_io,
@@ -91,7 +92,11 @@ def test_a_refused_direct_write_goes_through_the_page_cache(
     assert appender.direct_bytes == 0
 
 
-def test_a_failed_write_leaves_a_prefix_and_is_raised(
+def _open_descriptors() -> set[str]:
+    return set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else set()
+
+
+def test_a_failed_write_leaves_a_prefix_and_nothing_more_is_written(
     direct_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = direct_dir / "blob.partial"
@@ -108,16 +113,69 @@ def test_a_failed_write_leaves_a_prefix_and_is_raised(
 
     monkeypatch.setattr(directio.os, "pwrite", pwrite)
     data = os.urandom(5 * DIRECT_STAGING_BYTES)
+    before = _open_descriptors()
     appender = DirectAppender(path)
     with pytest.raises(OSError, match="No space left"):
         appender.write(data)
     monkeypatch.setattr(directio.os, "pwrite", real_pwrite)
-    written = path.read_bytes()
-    assert len(written) == 2 * DIRECT_STAGING_BYTES
-    assert written == data[: len(written)]
-    appender.close()  # what is still staged follows on, in order
-    written = path.read_bytes()
-    assert len(written) > 2 * DIRECT_STAGING_BYTES and written == data[: len(written)]
+    with pytest.raises(AppendFailed):
+        appender.write(b"more")
+    with pytest.raises(AppendFailed):
+        appender.flush()
+    appender.close()  # closes only: what is staged would not follow on from the file's end
+    assert _open_descriptors() == before
+    assert path.read_bytes() == data[: 2 * DIRECT_STAGING_BYTES]
+
+
+def test_a_write_cut_partway_is_never_written_twice(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused direct write, then a plain write that goes short and one that fails: the bytes
+    that did reach the file stay a prefix, and closing writes nothing again."""
+    path = direct_dir / "blob.partial"
+    path.touch()
+    real_pwrite = os.pwrite
+    plain_calls = 0
+
+    def pwrite(descriptor: int, data: memoryview, position: int) -> int:
+        nonlocal plain_calls
+        if fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        plain_calls += 1
+        if plain_calls == 1:
+            return real_pwrite(descriptor, data[:1000], position)  # a short write
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(directio.os, "pwrite", pwrite)
+    data = os.urandom(DIRECT_STAGING_BYTES + 100)
+    before = _open_descriptors()
+    appender = DirectAppender(path)
+    with pytest.raises(OSError, match="No space left"):
+        appender.write(data)
+    appender.close()
+    assert _open_descriptors() == before
+    assert path.read_bytes() == data[:1000]
+
+
+def test_close_closes_the_descriptors_even_when_its_flush_fails(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = direct_dir / "blob.partial"
+    path.touch()
+    before = _open_descriptors()
+    appender = DirectAppender(path)
+    appender.write(b"x" * 10_000)
+
+    def failing_pwrite(descriptor: int, data: memoryview, position: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(directio.os, "pwrite", failing_pwrite)
+    with pytest.raises(OSError, match="Input/output"):
+        appender.close()
+    assert _open_descriptors() == before
+    appender.close()  # a second close does nothing
+    with pytest.raises(ValueError, match="closed"):
+        appender.write(b"y")
 
 
 def test_open_for_append_falls_back_to_a_plain_file_without_o_direct(
