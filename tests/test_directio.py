@@ -22,11 +22,23 @@ from protocol.directio import (
 )
 
 
+def _is_direct(descriptor: int) -> bool:
+    return bool(fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_DIRECT)
+
+
 @pytest.fixture
 def direct_dir(tmp_path: Path) -> Path:
     if not supports_direct_io(tmp_path):
         pytest.skip("the temp dir's file system does not take O_DIRECT")
     return tmp_path
+
+
+@pytest.fixture
+def partial(direct_dir: Path) -> Path:
+    """An empty partial-download file in a directory that takes O_DIRECT."""
+    path = direct_dir / "blob.partial"
+    path.touch()
+    return path
 
 
 @pytest.mark.parametrize("start", [0, 1, DIRECT_IO_ALIGN_BYTES - 1, DIRECT_IO_ALIGN_BYTES, 70_001])
@@ -49,15 +61,13 @@ def test_appends_exactly_the_bytes_given_from_any_start(direct_dir: Path, start:
     assert appender.direct_bytes >= sum(sizes) - 8 * DIRECT_IO_ALIGN_BYTES
 
 
-def test_direct_writes_leave_the_page_cache_alone(direct_dir: Path) -> None:
+def test_direct_writes_leave_the_page_cache_alone(partial: Path) -> None:
     nowait = getattr(os, "RWF_NOWAIT", None)
     if nowait is None:
         pytest.skip("no RWF_NOWAIT to ask the page cache with")
-    path = direct_dir / "blob.partial"
-    path.touch()
-    with closing(DirectAppender(path)) as appender:
+    with closing(DirectAppender(partial)) as appender:
         appender.write(os.urandom(DIRECT_STAGING_BYTES))
-    descriptor = os.open(path, os.O_RDONLY)
+    descriptor = os.open(partial, os.O_RDONLY)
     try:
         # A read that the page cache cannot answer at once fails rather than wait for the disk.
         with pytest.raises(BlockingIOError):
@@ -67,27 +77,25 @@ def test_direct_writes_leave_the_page_cache_alone(direct_dir: Path) -> None:
 
 
 def test_a_refused_direct_write_goes_through_the_page_cache(
-    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+    partial: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A device or file system that refuses the alignment (EINVAL) gets the bytes buffered,
     this write and every later one."""
-    path = direct_dir / "blob.partial"
-    path.touch()
     real_pwrite = os.pwrite
     refused: list[int] = []
 
     def pwrite(descriptor: int, data: memoryview, position: int) -> int:
-        if fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_DIRECT:
+        if _is_direct(descriptor):
             refused.append(position)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(descriptor, data, position)
 
     monkeypatch.setattr(directio.os, "pwrite", pwrite)
     pieces = [os.urandom(DIRECT_STAGING_BYTES + 5) for _ in range(3)]
-    with closing(DirectAppender(path)) as appender:
+    with closing(DirectAppender(partial)) as appender:
         for piece in pieces:
             appender.write(piece)
-    assert path.read_bytes() == b"".join(pieces)
+    assert partial.read_bytes() == b"".join(pieces)
     assert refused == [0]  # tried once, then never again
     assert appender.direct_bytes == 0
 
@@ -97,10 +105,8 @@ def _open_descriptors() -> set[str]:
 
 
 def test_a_failed_write_leaves_a_prefix_and_nothing_more_is_written(
-    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+    partial: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = direct_dir / "blob.partial"
-    path.touch()
     real_pwrite = os.pwrite
     calls = 0
 
@@ -114,7 +120,7 @@ def test_a_failed_write_leaves_a_prefix_and_nothing_more_is_written(
     monkeypatch.setattr(directio.os, "pwrite", pwrite)
     data = os.urandom(5 * DIRECT_STAGING_BYTES)
     before = _open_descriptors()
-    appender = DirectAppender(path)
+    appender = DirectAppender(partial)
     with pytest.raises(OSError, match="No space left"):
         appender.write(data)
     monkeypatch.setattr(directio.os, "pwrite", real_pwrite)
@@ -124,22 +130,20 @@ def test_a_failed_write_leaves_a_prefix_and_nothing_more_is_written(
         appender.flush()
     appender.close()  # closes only: what is staged would not follow on from the file's end
     assert _open_descriptors() == before
-    assert path.read_bytes() == data[: 2 * DIRECT_STAGING_BYTES]
+    assert partial.read_bytes() == data[: 2 * DIRECT_STAGING_BYTES]
 
 
 def test_a_write_cut_partway_is_never_written_twice(
-    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+    partial: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A refused direct write, then a plain write that goes short and one that fails: the bytes
     that did reach the file stay a prefix, and closing writes nothing again."""
-    path = direct_dir / "blob.partial"
-    path.touch()
     real_pwrite = os.pwrite
     plain_calls = 0
 
     def pwrite(descriptor: int, data: memoryview, position: int) -> int:
         nonlocal plain_calls
-        if fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_DIRECT:
+        if _is_direct(descriptor):
             raise OSError(errno.EINVAL, "Invalid argument")
         plain_calls += 1
         if plain_calls == 1:
@@ -149,21 +153,19 @@ def test_a_write_cut_partway_is_never_written_twice(
     monkeypatch.setattr(directio.os, "pwrite", pwrite)
     data = os.urandom(DIRECT_STAGING_BYTES + 100)
     before = _open_descriptors()
-    appender = DirectAppender(path)
+    appender = DirectAppender(partial)
     with pytest.raises(OSError, match="No space left"):
         appender.write(data)
     appender.close()
     assert _open_descriptors() == before
-    assert path.read_bytes() == data[:1000]
+    assert partial.read_bytes() == data[:1000]
 
 
 def test_close_closes_the_descriptors_even_when_its_flush_fails(
-    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+    partial: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = direct_dir / "blob.partial"
-    path.touch()
     before = _open_descriptors()
-    appender = DirectAppender(path)
+    appender = DirectAppender(partial)
     appender.write(b"x" * 10_000)
 
     def failing_pwrite(descriptor: int, data: memoryview, position: int) -> int:
