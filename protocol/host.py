@@ -80,7 +80,7 @@ from protocol.blobstore import (
     InvalidBlobId,
     validate_blob_id,
 )
-from protocol.directio import AppendFile, open_for_append
+from protocol.directio import AlignedBufferPool, AppendFile, open_for_append
 from protocol.identity import peer_id_of
 
 __all__ = [
@@ -160,12 +160,15 @@ _NOISE_LENGTH = struct.Struct(">H")
 _NOISE_NONCE = struct.Struct("<4xQ")
 NOISE_MAX_WIRE_BYTES = _NOISE_LENGTH.size + 65535
 # Yamux DATA frames this host sends carry up to YAMUX_FRAME_PAYLOAD_BYTES (py-libp2p sends 64 KiB;
-# the spec bounds a frame only by the receive window, and rust-yamux reads frames up to 1 MiB):
-# sixteen whole Noise messages, just under 1 MiB, since each frame's header goes in a message of
-# its own and its payload in the next ones. Every frame costs both ends a header message and a pass
-# through the frame loop: sixteen messages a frame instead of four saved 2-4% of a loopback blob's
-# time. A stream write hands the connection up to YAMUX_WRITE_BATCH_BYTES at once.
-YAMUX_FRAME_PAYLOAD_BYTES = 16 * NOISE_MAX_PLAINTEXT_BYTES
+# the spec bounds a frame only by the receive window, and rust-yamux reads frames up to 1 MiB).
+# Each frame's header goes in a Noise message of its own and its payload in the next ones: 1 MiB
+# is sixteen whole messages and a short one. Every frame costs both ends a header message and a
+# pass through the frame loop: sixteen messages a frame instead of four saved 2-4% of a loopback
+# blob's time. A whole number of pages, a frame fills a download buffer that is written to disk
+# straight from where it lies (see DirectAppender); frames of sixteen messages, 272 bytes short
+# of that, had every buffer copied into the appender's staging memory. A stream write hands the
+# connection up to YAMUX_WRITE_BATCH_BYTES at once.
+YAMUX_FRAME_PAYLOAD_BYTES = 1 << 20
 assert YAMUX_FRAME_PAYLOAD_BYTES <= 1 << 20  # rust-yamux's and jvm-libp2p's bound on a frame
 YAMUX_WRITE_BATCH_BYTES = 1 << 20
 # A blob server reads and sends BLOB_CHUNK_BYTES at a time, and a download receives into buffers
@@ -174,6 +177,8 @@ YAMUX_WRITE_BATCH_BYTES = 1 << 20
 BLOB_CHUNK_BYTES = YAMUX_FRAME_PAYLOAD_BYTES
 # Buffers of BLOB_CHUNK_BYTES a blob server reads its file into ahead of sending them.
 BLOB_SEND_BUFFERS = 3
+# The buffers downloads and blob servers use, kept between transfers (enough for two downloads).
+_TRANSFER_BUFFERS = AlignedBufferPool(BLOB_CHUNK_BYTES, max_idle=2 * BLOB_WRITE_BUFFERS)
 _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 YAMUX_WINDOW_POLL_INTERVAL_S = 0.01
 YAMUX_WINDOW_WAIT_TIMEOUT_S = 5.0
@@ -1720,14 +1725,14 @@ class SwarmHost:
         thread, a quarter of a loopback transfer. An error of either side is raised once both
         have stopped.
         """
-        size = min(length, BLOB_CHUNK_BYTES)
         free_send, free = trio.open_memory_channel[memoryview](BLOB_SEND_BUFFERS)
         # Never more items than buffers, and the one error: sending never waits.
         filled_send, filled = trio.open_memory_channel[tuple[memoryview, int] | Exception](
             BLOB_SEND_BUFFERS + 1
         )
-        for _ in range(BLOB_SEND_BUFFERS):
-            free_send.send_nowait(memoryview(bytearray(size)))
+        buffers = _TRANSFER_BUFFERS.take(BLOB_SEND_BUFFERS)
+        for buffer in buffers:
+            free_send.send_nowait(buffer)
 
         async def read_ahead() -> None:
             remaining, position = length, blob_file.tell()
@@ -1737,7 +1742,7 @@ class SwarmHost:
                     os.posix_fadvise(descriptor, position, length, os.POSIX_FADV_SEQUENTIAL)
                 while remaining > 0:
                     buffer = await free.receive()
-                    wanted = buffer[: min(remaining, size)]
+                    wanted = buffer[: min(remaining, BLOB_CHUNK_BYTES)]
                     count = _read_cached(descriptor, wanted, position)
                     if count < len(wanted):  # the rest (or the end) is the disk's to tell
                         count += await trio.to_thread.run_sync(
@@ -1772,6 +1777,8 @@ class SwarmHost:
                 self._bytes_served += count
                 free_send.send_nowait(buffer)
             nursery.cancel_scope.cancel()  # a reader still waiting for a buffer
+        # Both sides have stopped: no read fills a buffer now, and a written one was sealed.
+        _TRANSFER_BUFFERS.give(buffers)
         if failure is not None:
             raise failure
 
@@ -2104,7 +2111,7 @@ async def _receive_into(
     """
     muxed = getattr(stream, "muxed_stream", None)
     with closing(open_for_append(partial)) as partial_file:
-        writer = _PartialWriter(partial_file, digest, min(count, BLOB_CHUNK_BYTES))
+        writer = _PartialWriter(partial_file, digest)
         try:
             if isinstance(muxed, _BatchedYamuxStream):
                 count -= await _receive_lent(muxed, writer, count)
@@ -2202,7 +2209,7 @@ async def _read_into(stream: INetStream, target: memoryview) -> int:
 class _PartialWriter:
     """Appends the batches of a download to its partial file and hashes them, in order, in two
     worker threads (one writes, the other hashes what was written), from a pool of
-    BLOB_WRITE_BUFFERS reusable buffers.
+    BLOB_WRITE_BUFFERS reusable, page-aligned buffers (written to disk without a copy).
 
     Disk writes and sha256 both release the GIL: in a thread they overlap the receiving of the next
     batches instead of holding up the host's event loop (sha256 about 0.6 ms of CPU per MiB). The
@@ -2215,15 +2222,15 @@ class _PartialWriter:
     is raised by the next `free_buffer` or by `finish`.
     """
 
-    def __init__(self, partial_file: AppendFile, digest: hashlib._Hash, buffer_bytes: int) -> None:
+    def __init__(self, partial_file: AppendFile, digest: hashlib._Hash) -> None:
         self._file = partial_file
         self._digest = digest
         self._jobs: queue.SimpleQueue[tuple[memoryview, int] | None] = queue.SimpleQueue()
         self._hash_jobs: queue.SimpleQueue[tuple[memoryview, int] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._free_send, self._free = trio.open_memory_channel[memoryview](BLOB_WRITE_BUFFERS)
-        for _ in range(BLOB_WRITE_BUFFERS):
-            self._free_send.send_nowait(memoryview(bytearray(buffer_bytes)))
+        for buffer in _TRANSFER_BUFFERS.take(BLOB_WRITE_BUFFERS):
+            self._free_send.send_nowait(buffer)
         self._token = trio.lowlevel.current_trio_token()
         self._stopped = trio.Event()  # set once both threads have ended
         self._running_threads = 2
@@ -2269,7 +2276,20 @@ class _PartialWriter:
             self._jobs.put(None)
             with trio.CancelScope(shield=True):
                 await self._stopped.wait()
+        self._keep_free_buffers()
         self._raise_error()
+
+    def _keep_free_buffers(self) -> None:
+        """Hand the free buffers to the pool for the next transfer; every buffer comes back
+        free once the threads have stopped and the stream has had its lent ones taken back (one
+        that does not is left to the garbage collector)."""
+        free: list[memoryview] = []
+        while True:
+            try:
+                free.append(self._free.receive_nowait())
+            except trio.WouldBlock:
+                break
+        _TRANSFER_BUFFERS.give(free)
 
     def _raise_error(self) -> None:
         if self._error is not None:

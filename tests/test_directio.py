@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
 import random
+import threading
+import time
 from contextlib import closing
 from pathlib import Path
 
@@ -15,8 +18,10 @@ import protocol.directio as directio
 from protocol.directio import (
     DIRECT_IO_ALIGN_BYTES,
     DIRECT_STAGING_BYTES,
+    AlignedBufferPool,
     AppendFailed,
     DirectAppender,
+    aligned_buffers,
     open_for_append,
     supports_direct_io,
 )
@@ -59,6 +64,131 @@ def test_appends_exactly_the_bytes_given_from_any_start(direct_dir: Path, start:
     assert path.read_bytes() == existing + b"".join(pieces)
     # Nearly all of it went around the page cache.
     assert appender.direct_bytes >= sum(sizes) - 8 * DIRECT_IO_ALIGN_BYTES
+
+
+def _address(buffer: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def test_aligned_buffers_are_aligned_disjoint_and_writable() -> None:
+    size = 3 * DIRECT_IO_ALIGN_BYTES + 5  # rounded up to whole blocks between buffers
+    buffers = aligned_buffers(4, size)
+    assert [len(buffer) for buffer in buffers] == [size] * 4
+    starts = [_address(buffer) for buffer in buffers]
+    assert all(start % DIRECT_IO_ALIGN_BYTES == 0 for start in starts)
+    assert all(later - earlier >= size for earlier, later in zip(starts, starts[1:], strict=False))
+    for number, buffer in enumerate(buffers):
+        buffer[:] = bytes([number]) * size
+    assert [bytes(buffer) for buffer in buffers] == [bytes([n]) * size for n in range(4)]
+
+
+def test_a_buffer_pool_hands_back_kept_buffers_before_mapping_new_ones() -> None:
+    pool = AlignedBufferPool(2 * DIRECT_IO_ALIGN_BYTES, max_idle=3)
+    first = pool.take(2)
+    assert [len(buffer) for buffer in first] == [2 * DIRECT_IO_ALIGN_BYTES] * 2
+    assert all(_address(buffer) % DIRECT_IO_ALIGN_BYTES == 0 for buffer in first)
+    pool.give(first)
+    assert pool.idle == 2
+    again = pool.take(3)  # the two kept ones, and one new
+    assert {_address(buffer) for buffer in first} < {_address(buffer) for buffer in again}
+    assert pool.idle == 0
+    pool.give(again + pool.take(2))  # five given, three kept
+    assert pool.idle == 3
+    pool.give([memoryview(bytearray(100))])  # not one of its size: not kept
+    assert pool.idle == 3
+    assert pool.take(0) == []
+
+
+def test_a_buffer_pool_never_hands_one_buffer_to_two_takers_at_once() -> None:
+    pool = AlignedBufferPool(DIRECT_IO_ALIGN_BYTES, max_idle=8)
+    held: list[int] = []
+    clash = threading.Event()
+    lock = threading.Lock()
+
+    def churn() -> None:
+        for _ in range(300):
+            buffers = pool.take(3)
+            addresses = [_address(buffer) for buffer in buffers]
+            with lock:
+                if set(addresses) & set(held):
+                    clash.set()
+                held.extend(addresses)
+            time.sleep(0)  # hold them while the other threads take and give
+            with lock:
+                for address in addresses:
+                    held.remove(address)
+            pool.give(buffers)
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not clash.is_set()
+    kept = [_address(buffer) for buffer in pool.take(pool.idle)]
+    assert 3 <= len(kept) <= 8 and len(set(kept)) == len(kept)  # none kept twice
+
+
+def test_aligned_whole_blocks_are_written_straight_from_the_callers_memory(
+    partial: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Aligned buffers at an aligned offset reach the file by direct writes at once, with
+    nothing staged; an odd tail, a read-only buffer or an unaligned view is staged, and the
+    aligned writes after it are staged too until a flush (the file offset is then unaligned to
+    the memory), and the file holds every byte in order."""
+    block = DIRECT_IO_ALIGN_BYTES
+    real_pwrite = os.pwrite
+    direct_sources: list[int] = []
+
+    def pwrite(descriptor: int, data: memoryview, position: int) -> int:
+        if _is_direct(descriptor):
+            direct_sources.append(_address(data) if not data.readonly else -1)
+        return real_pwrite(descriptor, data, position)
+
+    monkeypatch.setattr(directio.os, "pwrite", pwrite)
+    first, second, third = aligned_buffers(3, 64 * block)
+    for buffer in (first, second, third):
+        buffer[:] = os.urandom(len(buffer))
+    expected = bytearray()
+    with closing(DirectAppender(partial)) as appender:
+        appender.write(first)
+        expected += first
+        assert appender.direct_bytes == len(first)  # written already, nothing waits in staging
+        assert direct_sources == [_address(first)]
+        appender.write(second[: 10 * block + 7])  # whole blocks direct, the 7 bytes staged
+        expected += second[: 10 * block + 7]
+        assert appender.direct_bytes == len(first) + 10 * block
+        assert direct_sources[1] == _address(second)
+        appender.write(third)  # behind the staged 7 bytes: copied through the staging buffer
+        expected += third
+        assert _address(third) not in direct_sources
+        appender.flush()
+        appender.write(bytes(first))  # read-only memory is staged whatever its address
+        expected += first
+        appender.write(second[1 : 1 + 8 * block])  # so is memory off a block boundary
+        expected += second[1 : 1 + 8 * block]
+    assert partial.read_bytes() == bytes(expected)
+    assert appender.direct_bytes >= len(expected) - 2 * block
+
+
+def test_a_refused_direct_write_from_the_callers_memory_goes_through_the_page_cache(
+    partial: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_pwrite = os.pwrite
+
+    def pwrite(descriptor: int, data: memoryview, position: int) -> int:
+        if _is_direct(descriptor):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(descriptor, data, position)
+
+    monkeypatch.setattr(directio.os, "pwrite", pwrite)
+    (buffer,) = aligned_buffers(1, 16 * DIRECT_IO_ALIGN_BYTES)
+    buffer[:] = os.urandom(len(buffer))
+    with closing(DirectAppender(partial)) as appender:
+        appender.write(buffer)
+        appender.write(buffer)
+    assert partial.read_bytes() == bytes(buffer) * 2
+    assert appender.direct_bytes == 0
 
 
 def test_direct_writes_leave_the_page_cache_alone(partial: Path) -> None:

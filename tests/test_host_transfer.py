@@ -32,6 +32,8 @@ from protocol.blobstore import BlobStore
 from protocol.host import (
     BLOB_CHUNK_BYTES,
     BLOB_PROTOCOL_ID,
+    BLOB_SEND_BUFFERS,
+    BLOB_WRITE_BUFFERS,
     MAX_BLOB_RESPONSE_HEADER_BYTES,
     NOISE_MAX_PLAINTEXT_BYTES,
     AllHoldersFailed,
@@ -462,6 +464,43 @@ def test_buffers_taken_back_mid_transfer_hold_a_prefix_and_are_left_alone(tmp_pa
     assert any(arrivals), "no bytes reached the later buffers before they were taken back"
 
 
+def test_downloads_and_blob_servers_reuse_their_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The buffers of a download and of the blob server that fed it go back to the process's
+    pool when the transfer ends, and the next transfers take them instead of new memory; every
+    blob still arrives intact."""
+    import protocol.directio as directio
+    import protocol.host as host_module
+
+    pool = host_module._TRANSFER_BUFFERS
+    pool.take(pool.idle)  # start with none kept
+    mapped: list[int] = []
+    real_aligned_buffers = directio.aligned_buffers
+
+    def counting_aligned_buffers(count: int, size: int) -> list[memoryview]:
+        mapped.append(count)
+        return real_aligned_buffers(count, size)
+
+    monkeypatch.setattr(directio, "aligned_buffers", counting_aligned_buffers)
+    blobs = []
+    for size in (3 * BLOB_CHUNK_BYTES + 5, 2 * BLOB_CHUNK_BYTES + 7, 100):
+        data = os.urandom(size)
+        blobs.append(Blob(hashlib.sha256(data).hexdigest(), data))
+    with make_host(tmp_path, "server") as server, make_host(tmp_path, "client") as client:
+        for blob in blobs:
+            holder_of(blob, server)
+        peer = client.connect(server.listen_addrs[0])
+        first, *rest = blobs
+        assert client.fetch_blob(peer, first.sha256, first.size).read_bytes() == first.data
+        wait_for(lambda: pool.idle == BLOB_WRITE_BUFFERS + BLOB_SEND_BUFFERS, 10, "buffers back")
+        assert sum(mapped) == BLOB_WRITE_BUFFERS + BLOB_SEND_BUFFERS
+        for blob in rest:
+            assert client.fetch_blob(peer, blob.sha256, blob.size).read_bytes() == blob.data
+        wait_for(lambda: pool.idle == BLOB_WRITE_BUFFERS + BLOB_SEND_BUFFERS, 10, "buffers back")
+    assert sum(mapped) == BLOB_WRITE_BUFFERS + BLOB_SEND_BUFFERS  # none mapped after the first
+
+
 def test_downloads_cancelled_at_any_point_keep_a_correct_prefix(tmp_path: Path) -> None:
     """Fetches cut short by timeouts at many points of the transfer, each resuming the partial
     the one before kept: every partial is a prefix of the blob, and the last fetch completes.
@@ -592,9 +631,9 @@ async def _write_batches(
     batches: list[bytes],
     before_finish: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Hand each batch to a _PartialWriter of 1000-byte buffers in turn, await `before_finish`
-    if given, then finish."""
-    writer = _PartialWriter(target, digest, 1000)
+    """Hand each batch to a _PartialWriter in turn (each in a buffer of its own), await
+    `before_finish` if given, then finish."""
+    writer = _PartialWriter(target, digest)
     for batch in batches:
         buffer = await writer.free_buffer()
         buffer[: len(batch)] = batch
