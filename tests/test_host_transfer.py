@@ -632,15 +632,18 @@ async def _write_batches(
     before_finish: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Hand each batch to a _PartialWriter in turn (each in a buffer of its own), await
-    `before_finish` if given, then finish."""
+    `before_finish` if given, then finish; as a download does, finish even when handing over
+    fails (the writer's threads must end before the event loop does)."""
     writer = _PartialWriter(target, digest)
-    for batch in batches:
-        buffer = await writer.free_buffer()
-        buffer[: len(batch)] = batch
-        writer.write(buffer, len(batch))
-    if before_finish is not None:
-        await before_finish()
-    await writer.finish()
+    try:
+        for batch in batches:
+            buffer = await writer.free_buffer()
+            buffer[: len(batch)] = batch
+            writer.write(buffer, len(batch))
+        if before_finish is not None:
+            await before_finish()
+    finally:
+        await writer.finish()
 
 
 def test_partial_writer_writes_in_order_and_keeps_a_prefix_when_a_write_fails() -> None:
