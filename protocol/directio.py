@@ -215,8 +215,8 @@ class AlignedBufferPool:
     def take(self, count: int) -> list[memoryview]:
         """`count` buffers of `buffer_bytes`: idle ones first, then newly mapped ones."""
         with self._lock:
-            reused = self._idle[len(self._idle) - min(count, len(self._idle)) :]
-            del self._idle[len(self._idle) - len(reused) :]
+            kept = max(len(self._idle) - count, 0)
+            reused, self._idle = self._idle[kept:], self._idle[:kept]
         return reused + aligned_buffers(count - len(reused), self.buffer_bytes)
 
     def give(self, buffers: list[memoryview]) -> None:

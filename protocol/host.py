@@ -2208,8 +2208,9 @@ async def _read_into(stream: INetStream, target: memoryview) -> int:
 
 class _PartialWriter:
     """Appends the batches of a download to its partial file and hashes them, in order, in two
-    worker threads (one writes, the other hashes what was written), from a pool of
-    BLOB_WRITE_BUFFERS reusable, page-aligned buffers (written to disk without a copy).
+    worker threads (one writes, the other hashes what was written), in BLOB_WRITE_BUFFERS
+    page-aligned buffers (written to disk without a copy) taken from the process's
+    _TRANSFER_BUFFERS and given back by `finish`.
 
     Disk writes and sha256 both release the GIL: in a thread they overlap the receiving of the next
     batches instead of holding up the host's event loop (sha256 about 0.6 ms of CPU per MiB). The
