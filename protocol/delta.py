@@ -155,6 +155,11 @@ def pack_delta(
     index: dict[str, dict] = {}
     for name in sorted(base):
         if not base[name].is_floating_point():
+            if not torch.equal(base[name], tuned[name]):
+                raise DeltaError(
+                    f"tensor {name} of dtype {base[name].dtype} changed; deltas carry "
+                    "floating-point tensors only"
+                )
             continue
         encoded = encode_tensor(base[name], tuned[name], lossy_int8)
         if encoded is None:

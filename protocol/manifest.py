@@ -7,17 +7,20 @@ re-encoding; a manifest's id is the sha256 of those bytes.
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+import math
+from collections import defaultdict
+from typing import Annotated, Literal
 
 import msgpack
 from libp2p.crypto.keys import KeyPair
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from protocol import identity
 
 MANIFEST_SCHEMA = "skillswarm.delta/1"
 MAX_MANIFEST_BYTES = 512 * 1024
 MAX_TENSORS = 100_000
+ELEMENT_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
 
 
 class ManifestError(ValueError):
@@ -34,10 +37,34 @@ class TensorEntry(BaseModel):
     length: int = Field(ge=0)
     encoding: Literal["dense", "sparse", "int8"]
     dtype: Literal["F32", "BF16", "F16"]
-    shape: tuple[int, ...] = Field(max_length=8)
+    shape: tuple[Annotated[int, Field(ge=0)], ...] = Field(max_length=8)
     nnz: int = Field(default=0, ge=0, description="changed elements (sparse)")
     index_bytes: int = Field(default=0, ge=0, description="compressed index length (sparse)")
     scale: float | None = Field(default=None, description="quantisation step (int8, lossy)")
+
+    @model_validator(mode="after")
+    def _length_fits_the_tensor(self) -> TensorEntry:
+        """The payload's length is what the encoding takes for this shape and dtype (at most
+        the dense size), so that no entry makes a reader fetch or read more than its tensor."""
+        dense = math.prod(self.shape) * ELEMENT_BYTES[self.dtype]
+        if self.encoding == "dense" and self.length != dense:
+            raise ValueError(
+                f"a dense entry of shape {self.shape} is {dense} bytes, not {self.length}"
+            )
+        if self.encoding == "int8" and (
+            self.length != math.prod(self.shape)
+            or self.scale is None
+            or not math.isfinite(self.scale)
+        ):
+            raise ValueError("an int8 entry takes one byte per element and a finite scale")
+        if self.encoding == "sparse" and not (
+            0 < self.nnz <= math.prod(self.shape) and 0 < self.index_bytes < self.length <= dense
+        ):
+            raise ValueError(
+                f"a sparse entry of {self.nnz} changes in {self.length} bytes does not fit "
+                f"shape {self.shape} ({dense} bytes dense)"
+            )
+        return self
 
 
 class DeltaManifest(BaseModel):
@@ -55,8 +82,36 @@ class DeltaManifest(BaseModel):
     created_at: str = Field(max_length=64)
     metrics: dict[str, float] = Field(default_factory=dict)
     lossy: bool = Field(default=False, description="true if any tensor is not rebuilt exactly")
-    blobs: dict[str, int] = Field(description="blob sha256 -> size in bytes")
+    blobs: dict[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")], int] = Field(
+        description="blob sha256 -> size in bytes"
+    )
     tensors: dict[str, TensorEntry]
+
+    @model_validator(mode="after")
+    def _tensors_tile_the_blobs(self) -> DeltaManifest:
+        """Each blob is exactly its tensors' payloads, back to back from offset 0 (as pack_delta
+        writes it): no listed blob, and no byte of one, is left for a peer to fill with anything
+        else, so a delta's download is bounded by the tensors it changes."""
+        entries: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+        for name, entry in self.tensors.items():
+            if entry.blob not in self.blobs:
+                raise ValueError(f"tensor {name} points at blob {entry.blob[:12]}, not listed")
+            if entry.encoding == "int8" and not self.lossy:
+                raise ValueError(f"tensor {name} is int8-encoded but the manifest is not lossy")
+            entries[entry.blob].append((entry.offset, entry.length, name))
+        for sha, size in self.blobs.items():
+            end = 0
+            for offset, length, name in sorted(entries.get(sha, [])):
+                if offset != end:
+                    raise ValueError(
+                        f"tensor {name} starts at byte {offset} of blob {sha[:12]}, not at {end}"
+                    )
+                end += length
+            if size != end:
+                raise ValueError(
+                    f"blob {sha[:12]} is listed as {size} bytes but its tensors take {end}"
+                )
+        return self
 
     def encode(self) -> bytes:
         """Canonical msgpack bytes (sorted keys) of this manifest."""
@@ -70,15 +125,15 @@ class DeltaManifest(BaseModel):
         try:
             data = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_map_len=MAX_TENSORS)
             manifest = cls.model_validate(data)
-        except (ValueError, ValidationError, msgpack.ExtraData, TypeError) as exc:
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, error['loc'])) or 'manifest'}: "
+                f"{error['msg'].removeprefix('Value error, ')}"
+                for error in exc.errors()[:5]
+            )
+            raise ManifestError(f"malformed delta manifest: {problems}") from exc
+        except (ValueError, msgpack.ExtraData, TypeError) as exc:
             raise ManifestError(f"malformed delta manifest: {exc}") from exc
-        for name, entry in manifest.tensors.items():
-            if entry.blob not in manifest.blobs:
-                raise ManifestError(f"tensor {name} points at blob {entry.blob[:12]} not listed")
-            if entry.offset + entry.length > manifest.blobs[entry.blob]:
-                raise ManifestError(f"tensor {name} lies outside blob {entry.blob[:12]}")
-            if entry.encoding == "int8" and not manifest.lossy:
-                raise ManifestError(f"tensor {name} is int8-encoded but the manifest is not lossy")
         return manifest
 
 

@@ -106,8 +106,39 @@ def test_manifest_bounds(tmp_path, keys):
         DeltaManifest.decode(msgpack.packb({"schema": "skillswarm.delta/99"}))
     entry = manifest.tensors["w"]
     bad = manifest.model_copy(update={"tensors": {"w": entry.model_copy(update={"offset": 10**9})}})
-    with pytest.raises(ManifestError, match="outside blob"):
+    with pytest.raises(ManifestError, match="starts at byte 1000000000 of blob"):
         DeltaManifest.decode(bad.encode())
+
+
+def test_manifest_bounds_every_byte_a_peer_would_be_asked_for(tmp_path, keys):
+    """A blob is exactly its tensors' payloads and a payload at most its tensor's dense size, so
+    a manifest cannot make the coordinator download or read bytes no tensor needs."""
+    a, _ = keys
+    manifest, _, _ = _delta(tmp_path, a)
+    (sha, size), entry = next(iter(manifest.blobs.items())), manifest.tensors["b"]
+
+    def refused(match: str, **changes: object) -> None:
+        with pytest.raises(ManifestError, match=match):
+            DeltaManifest.decode(manifest.model_copy(update=changes).encode())
+
+    refused("listed as -5 bytes", blobs={sha: -5})
+    refused(f"listed as {size + 1} bytes", blobs={sha: size + 1})
+    refused("listed as 10 bytes but its tensors take 0", blobs={sha: size, "cd" * 32: 10})
+    refused("String should match pattern", blobs={sha: size, "../x": 0})
+    refused("not listed", blobs={"cd" * 32: size})
+    refused(
+        "a dense entry of shape \\(64,\\) is 256 bytes",
+        tensors={**manifest.tensors, "b": entry.model_copy(update={"encoding": "dense"})},
+    )
+    refused(
+        "does not fit shape",
+        tensors={**manifest.tensors, "b": entry.model_copy(update={"nnz": 65})},
+    )
+    refused(
+        "greater than or equal to 0",
+        tensors={**manifest.tensors, "b": entry.model_copy(update={"shape": (-64,)})},
+    )
+    assert DeltaManifest.decode(manifest.encode()) == manifest
 
 
 def test_reader_refuses_mismatched_shape(tmp_path, keys):
