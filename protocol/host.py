@@ -88,6 +88,7 @@ __all__ = [
     "MAX_GOSSIP_PAYLOAD_BYTES",
     "AllHoldersFailed",
     "BlobFetchError",
+    "GossipInbox",
     "GossipMessage",
     "GossipMessageTooLarge",
     "HostNotRunning",
@@ -122,6 +123,11 @@ GOSSIP_HEARTBEAT_INTERVAL_S = 1
 GOSSIP_HEARTBEAT_INITIAL_DELAY_S = 0.1
 GOSSIP_MAX_MESSAGES_PER_PEER_PER_SECOND = 100.0
 MESSAGE_QUEUE_CAPACITY = 10_000
+# Received gossip waiting for the application is bounded in bytes too: 10 000 messages of nearly
+# 1 MiB each would let a peer make a host hold 10 GiB its application has not read yet.
+MESSAGE_QUEUE_BYTES = 64 << 20
+# A host drops gossip it has no room for; it says so at most once per this many seconds.
+DROPPED_GOSSIP_LOG_INTERVAL_S = 10.0
 
 # Buffers of BLOB_CHUNK_BYTES (defined below) a download fills while full ones are written and
 # hashed; lent to its stream, they are also its receive window.
@@ -267,6 +273,24 @@ class GossipMessage:
 
     from_peer: str
     data: bytes
+
+
+class GossipInbox(queue.Queue[GossipMessage]):
+    """The received gossip a host's application has not read yet: a FIFO queue of at most
+    MESSAGE_QUEUE_CAPACITY messages that also counts the bytes they hold (`bytes`)."""
+
+    def __init__(self) -> None:
+        super().__init__(MESSAGE_QUEUE_CAPACITY)
+        self.bytes = 0
+
+    def _put(self, item: GossipMessage) -> None:  # under the queue's lock
+        super()._put(item)
+        self.bytes += len(item.data)
+
+    def _get(self) -> GossipMessage:  # under the queue's lock
+        item = super()._get()
+        self.bytes -= len(item.data)
+        return item
 
 
 class _GuardedPubsub(Pubsub):
@@ -1247,7 +1271,10 @@ class SwarmHost:
         max_message_bytes: int = MAX_GOSSIP_PAYLOAD_BYTES,
         max_blob_bytes: int = 8 << 30,
         max_streams_per_peer: int = 4,
+        deliver_gossip: bool = True,
     ) -> None:
+        """`deliver_gossip=False` is for a peer that publishes and relays gossip but reads none:
+        it keeps nothing of what it receives (`messages` stays empty)."""
         if not 0 < max_message_bytes <= MAX_GOSSIP_PAYLOAD_BYTES:
             raise ValueError(
                 f"max_message_bytes must be between 1 and {MAX_GOSSIP_PAYLOAD_BYTES} (gossip "
@@ -1267,7 +1294,10 @@ class SwarmHost:
         self.max_blob_bytes = max_blob_bytes
         self.max_streams_per_peer = max_streams_per_peer
         self.peer_id: str = peer_id_of(key_pair)
-        self.messages: queue.Queue[GossipMessage] = queue.Queue(MESSAGE_QUEUE_CAPACITY)
+        self.deliver_gossip = deliver_gossip
+        self.messages = GossipInbox()
+        self._dropped_gossip = 0  # messages dropped since the last line that said so
+        self._dropped_gossip_logged_at = -DROPPED_GOSSIP_LOG_INTERVAL_S
 
         self._lifecycle_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -1658,10 +1688,32 @@ class SwarmHost:
                     self.max_message_bytes,
                 )
                 continue
+            if not self.deliver_gossip:
+                continue
+            if self.messages.bytes + len(message.data) > MESSAGE_QUEUE_BYTES:
+                self._note_dropped_gossip(origin)
+                continue
             try:
                 self.messages.put_nowait(GossipMessage(origin.to_base58(), bytes(message.data)))
             except queue.Full:
-                logger.warning("gossip queue full; dropped a message from %s", origin)
+                self._note_dropped_gossip(origin)
+
+    def _note_dropped_gossip(self, origin: ID) -> None:
+        """Count a message dropped for want of room, and say so at most once per
+        DROPPED_GOSSIP_LOG_INTERVAL_S (a peer flooding the topic must not flood the log)."""
+        self._dropped_gossip += 1
+        now = time.monotonic()
+        if now - self._dropped_gossip_logged_at >= DROPPED_GOSSIP_LOG_INTERVAL_S:
+            logger.warning(
+                "gossip queue full: %d unread messages hold %d bytes; dropped %d message(s), "
+                "the last from %s",
+                self.messages.qsize(),
+                self.messages.bytes,
+                self._dropped_gossip,
+                origin,
+            )
+            self._dropped_gossip = 0
+            self._dropped_gossip_logged_at = now
 
     async def _serve_blob_stream(self, stream: INetStream) -> None:
         remote = stream.muxed_conn.peer_id.to_base58()

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -31,6 +32,7 @@ from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.io.trio import TrioTCPStream
 from libp2p.network.connection.exceptions import RawConnError
 from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.network.exceptions import SwarmException
 from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -160,8 +162,10 @@ def test_plaintext_peer_cannot_connect(tmp_path: Path) -> None:
             key_pair = create_new_key_pair()
             plaintext_only = {PLAINTEXT_PROTOCOL_ID: InsecureTransport(key_pair)}
             async with raw_peer(key_pair, security=plaintext_only) as peer:
-                with trio.fail_after(15), pytest.raises(Exception):  # noqa: B017
+                with trio.fail_after(15), pytest.raises(SwarmException) as refused:
                     await peer.connect(info_from_p2p_addr(multiaddr.Multiaddr(x.listen_addrs[0])))
+                # The host offers Noise alone, so no security protocol could be agreed on.
+                assert "failed to negotiate the secure protocol" in repr(refused.value.__cause__)
                 assert peer.get_connected_peers() == []
 
         trio.run(dial_in_plaintext)
@@ -269,7 +273,10 @@ def test_gossip_limit_above_what_libp2p_carries_is_refused(tmp_path: Path) -> No
         make_host(tmp_path, "x", max_message_bytes=1 << 20)
 
 
-def test_incoming_message_over_the_receivers_limit_is_dropped(tmp_path: Path) -> None:
+def test_incoming_message_over_the_receivers_limit_is_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="protocol.host")
     with make_host(tmp_path, "x") as sender, make_host(tmp_path, "y", max_message_bytes=1000) as y:
         y.connect(sender.listen_addrs[0])
         sender.wait_for_peers_in_topic(1, MESH_TIMEOUT_S)
@@ -278,6 +285,38 @@ def test_incoming_message_over_the_receivers_limit_is_dropped(tmp_path: Path) ->
         sender.publish(b"small")
         message = y.messages.get(timeout=DELIVERY_TIMEOUT_S)
         assert message.data == b"small"
+        assert f"dropped a gossip message of 5000 bytes from {sender.peer_id}" in caplog.text
+
+
+def test_unread_gossip_is_bounded_in_bytes_and_a_host_that_reads_none_keeps_none(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """x - z - y in a line: z relays x's messages to y but, made with deliver_gossip=False,
+    keeps none; y keeps what fits in its queue's bytes and says once what it dropped."""
+    caplog.set_level(logging.WARNING, logger="protocol.host")
+    monkeypatch.setattr(host_module, "MESSAGE_QUEUE_BYTES", 3000)
+    x, y = make_host(tmp_path, "x"), make_host(tmp_path, "y")
+    z = make_host(tmp_path, "z", deliver_gossip=False)
+    with x, y, z:
+        x.connect(z.listen_addrs[0])
+        y.connect(z.listen_addrs[0])
+        for host, peers in ((x, 1), (y, 1), (z, 2)):
+            host.wait_for_peers_in_topic(peers, MESH_TIMEOUT_S)
+        for data in (b"a" * 2000, b"b" * 2000, b"c" * 2000, b"d" * 1000):
+            x.publish(data)
+        # Nothing is read until all four have come: the first and the last fill the 3000 bytes,
+        # the two between found no room.
+        deadline = time.monotonic() + DELIVERY_TIMEOUT_S
+        while y.messages.bytes < 3000 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert y.messages.qsize() == 2
+        assert y.messages.get(timeout=DELIVERY_TIMEOUT_S).data == b"a" * 2000
+        assert y.messages.get(timeout=DELIVERY_TIMEOUT_S).data == b"d" * 1000
+        assert y.messages.bytes == 0
+        assert caplog.text.count("gossip queue full") == 1  # one line, not one per message
+        assert "1 unread messages hold 2000 bytes; dropped 1 message(s)" in caplog.text
+        # Every message reached y through z, which kept none of them.
+        assert z.messages.qsize() == 0 and z.messages.bytes == 0
 
 
 def test_forged_and_malformed_gossip_is_dropped(hosts: list[SwarmHost]) -> None:
