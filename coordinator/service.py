@@ -69,6 +69,11 @@ FETCH_ATTEMPTS = 3
 # was recorded: a peer re-announcing it in a tight loop gets one fetch per cooldown, not one per
 # message. Nodes re-announce every 10 s, so an honest retry is never held back by more than that.
 FETCH_RETRY_COOLDOWN_S = 5.0
+# Each attempt at a blob may take FETCH_BASE_TIMEOUT_S plus its size at FETCH_MIN_RATE_BYTES_PER_S:
+# intake takes one delta at a time, so a peer that trickles its bytes must not hold it for the
+# full five minutes a slow link to a large blob may need.
+FETCH_BASE_TIMEOUT_S = 30.0
+FETCH_MIN_RATE_BYTES_PER_S = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +270,10 @@ class Coordinator:
             if isinstance(body, DeltaAnnounced):
                 self.handle_announcement(from_peer, body)
             elif isinstance(body, NodeHeartbeat):
+                refusal = self._sender_refusal(from_peer)
+                if refusal is not None:  # nothing of a refused peer is recorded
+                    log.debug("ignored a heartbeat: %s", refusal)
+                    return
                 self.record_heartbeat(from_peer, body)
         except Exception:  # one bad message must not stop intake
             log.exception("error handling %s from %s", body.type, from_peer)
@@ -327,9 +336,15 @@ class Coordinator:
                         existing.round,
                     )
                     return existing
+            manifest: DeltaManifest | None = None
+            fetching = False
             try:
+                refusal = self._sender_refusal(from_peer)
+                if refusal is not None:
+                    raise DeltaRejected(refusal, "denied")
                 manifest = signed.verify(announcing_peer=from_peer)
                 self._check_admission(manifest)
+                fetching = True
                 checks = self._fetch_and_validate(from_peer, manifest)
             except (
                 DeltaRejected,
@@ -338,7 +353,10 @@ class Coordinator:
                 BlobFetchError,
                 BlobStoreError,
             ) as exc:
-                return self._record_rejection(delta_id, from_peer, signed.manifest_bytes, exc)
+                record = self._record_rejection(delta_id, from_peer, manifest, exc)
+                if fetching and record.rejection_kind != "fetch":
+                    self._discard_blobs(manifest)
+                return record
             record = DeltaRecord(
                 id=delta_id,
                 peer_id=manifest.peer_id,
@@ -359,9 +377,9 @@ class Coordinator:
                         f"round {manifest.round} closed while the delta was being checked",
                         "stale",
                     )
-                    return self._record_rejection(
-                        delta_id, from_peer, signed.manifest_bytes, closed
-                    )
+                    rejected = self._record_rejection(delta_id, from_peer, manifest, closed)
+                    self._discard_blobs(manifest)
+                    return rejected
                 with self.store.session() as s:
                     s.add(record)
             self._saw_peer(from_peer, manifest.domain)
@@ -376,23 +394,21 @@ class Coordinator:
         return record
 
     def _record_rejection(
-        self, delta_id: str, from_peer: str, raw: bytes, exc: Exception
+        self, delta_id: str, from_peer: str, manifest: DeltaManifest | None, exc: Exception
     ) -> DeltaRecord:
+        """Record why a delta was refused, under the peer that announced it (gossip is signed, so
+        that peer is known), with the manifest's fields only when its signature held: a forged
+        manifest's claims are not filed under the peer it names."""
         reason = str(exc)
         kind = _rejection_kind(exc)
-        claimed: DeltaManifest | None = None
-        try:
-            claimed = DeltaManifest.decode(raw)
-        except ManifestError:
-            pass
         record = DeltaRecord(
             id=delta_id,
-            peer_id=claimed.peer_id if claimed else from_peer,
+            peer_id=from_peer,
             announced_by=from_peer,
-            domain=claimed.domain if claimed else None,
-            base_id=claimed.base_id if claimed else None,
-            round=claimed.round if claimed else None,
-            steps=claimed.steps if claimed else None,
+            domain=manifest.domain if manifest else None,
+            base_id=manifest.base_id if manifest else None,
+            round=manifest.round if manifest else None,
+            steps=manifest.steps if manifest else None,
             status="rejected",
             reason=reason,
             rejection_kind=kind,
@@ -402,19 +418,39 @@ class Coordinator:
         )
         with self.store.session() as s:
             s.add(record)
-        own_claim = claimed is not None and claimed.peer_id == from_peer
-        self._saw_peer(from_peer, claimed.domain if own_claim and claimed else None)
+        # A peer outside the allow-list gets no node row (anyone can gossip; the nodes table is
+        # not theirs to grow); one the operator denied by name is listed with its refusals.
+        if kind != "denied" or self._peer_verdict(from_peer) is False:
+            self._saw_peer(from_peer, manifest.domain if manifest else None)
         log.warning("rejected delta %s from %s (%s): %s", delta_id[:12], from_peer, kind, reason)
         return record
 
-    def _check_admission(self, manifest: DeltaManifest) -> None:
-        peer = manifest.peer_id
-        verdict = self._peer_verdict(peer)
+    def _discard_blobs(self, manifest: DeltaManifest | None) -> None:
+        """Delete what intake fetched of a refused delta (blobs and partial downloads), except
+        blobs that a kept delta also lists (blobs are content-addressed)."""
+        if manifest is None:
+            return
+        in_use = self._kept_blobs()
+        for sha in manifest.blobs:
+            if sha not in in_use:
+                self.blobs.delete(sha)
+                self.blobs.discard_partial(sha)
+
+    def _sender_refusal(self, peer_id: str) -> str | None:
+        """Why nothing from `peer_id` is taken (denied by the operator, or not on a configured
+        allow-list); None when it may take part."""
+        verdict = self._peer_verdict(peer_id)
         if verdict is False:
-            raise DeltaRejected(f"peer {peer} is denied", "denied")
+            return f"peer {peer_id} is denied"
         allowed = self.config.allowed_peers
-        if allowed and peer not in allowed and verdict is not True:
-            raise DeltaRejected(f"peer {peer} is not on the allow-list", "denied")
+        if allowed and peer_id not in allowed and verdict is not True:
+            return f"peer {peer_id} is not on the allow-list"
+        return None
+
+    def _check_admission(self, manifest: DeltaManifest) -> None:
+        refusal = self._sender_refusal(manifest.peer_id)
+        if refusal is not None:
+            raise DeltaRejected(refusal, "denied")
         current = self.current_round()
         if manifest.base_id != current.base_id:
             raise DeltaRejected(
@@ -453,7 +489,13 @@ class Coordinator:
         for sha, size in manifest.blobs.items():
             # Retried with backoff, resuming from the partial download; the announcing node is
             # the holder (the manifest's signer, checked by verify()).
-            self.host.fetch_blob_from_any([from_peer], sha, size, attempts_per_peer=FETCH_ATTEMPTS)
+            self.host.fetch_blob_from_any(
+                [from_peer],
+                sha,
+                size,
+                timeout=FETCH_BASE_TIMEOUT_S + size / FETCH_MIN_RATE_BYTES_PER_S,
+                attempts_per_peer=FETCH_ATTEMPTS,
+            )
         reader = DeltaReader(manifest, self.blobs)
         checks: dict[str, Any] = dict(check_values(reader, base, self.config.gates).to_dict())
         if self.config.gates.eval_gate:
@@ -769,9 +811,22 @@ class Coordinator:
         return scores
 
     def collect_garbage(self) -> int:
-        """Delete delta blobs of rounds older than `keep_rounds`; returns blobs removed."""
-        oldest_kept = self.current_round().number - self.config.keep_rounds
+        """Delete delta blobs of rounds older than `keep_rounds`; returns blobs removed.
+
+        Runs between two deltas of intake (under its lock), so that the blobs of a delta being
+        fetched, or fetched and not yet recorded, are never taken for garbage.
+        """
+        with self._intake_lock:
+            removed = self.blobs.gc(self._kept_blobs())
+        if removed:
+            oldest_kept = self.current_round().number - self.config.keep_rounds
+            log.info("removed %d delta blobs of rounds before %d", removed, oldest_kept)
+        return removed
+
+    def _kept_blobs(self) -> set[str]:
+        """Blobs of the recorded deltas (accepted or merged) of the last `keep_rounds` rounds."""
         keep: set[str] = set()
+        oldest_kept = self.current_round().number - self.config.keep_rounds
         with self.store.session() as s:
             rows = s.scalars(
                 select(DeltaRecord)
@@ -781,10 +836,7 @@ class Coordinator:
             for row in rows:
                 assert row.manifest is not None
                 keep.update(DeltaManifest.decode(row.manifest).blobs)
-        removed = self.blobs.gc(keep)
-        if removed:
-            log.info("removed %d delta blobs of rounds before %d", removed, oldest_kept)
-        return removed
+        return keep
 
     def _announce_checkpoint(self, info: CheckpointInfo, number: int, parent: str) -> None:
         try:

@@ -13,14 +13,14 @@ import torch
 
 from coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
 from coordinator.service import Coordinator, record_id
-from coordinator.store import DeltaRecord
+from coordinator.store import DeltaRecord, NodeRecord
 from merge.streaming import iter_base_tensors
 from protocol.blobstore import BlobStore
 from protocol.delta import pack_delta
 from protocol.host import SwarmHost
 from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
 from protocol.manifest import SignedManifest, sign_manifest
-from protocol.messages import DeltaAnnounced, encode_message
+from protocol.messages import DeltaAnnounced, NodeHeartbeat, encode_message
 
 
 def _config(tmp_path: Path, tiny_base: Path, **fields) -> CoordinatorConfig:
@@ -92,8 +92,17 @@ def _wait_record(c: Coordinator, delta_id: str, timeout: float = 60) -> DeltaRec
     raise AssertionError(f"coordinator never recorded delta {delta_id[:12]}")
 
 
-def test_forged_and_misattributed_deltas_refused_honest_one_accepted(tmp_path, coordinator):
+def _wait_log(caplog, text: str, timeout: float = 30) -> None:
+    """Wait until a log line (from any thread) contains `text`."""
+    deadline = time.monotonic() + timeout
+    while text not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert text in caplog.text, f"no log line with {text!r}"
+
+
+def test_forged_and_misattributed_deltas_refused_honest_one_accepted(tmp_path, coordinator, caplog):
     c = coordinator
+    caplog.set_level(logging.INFO, logger="coordinator.service")
     base = c.current_base()
     base_dir = c.registry.checkpoint_dir(base)
     alice_key, alice_store, alice = _peer(tmp_path, "alice", c.config.topic)
@@ -126,11 +135,14 @@ def test_forged_and_misattributed_deltas_refused_honest_one_accepted(tmp_path, c
         record = _wait_record(c, record_id(forged, mallory.peer_id))
         assert record.status == "rejected"
         assert "bad signature" in (record.reason or "")
+        # Filed under the peer that announced it, none of the forged manifest's claims kept.
+        assert (record.peer_id, record.domain, record.round) == (mallory.peer_id, None, None)
 
         # An unknown message type and a malformed delta announcement: logged, nothing recorded.
         mallory.publish(msgpack.packb({"v": 1, "body": {"type": "please_merge_me"}}))
         mallory.publish(msgpack.packb({"v": 1, "body": {"type": "delta_announced"}}))
-        time.sleep(2)
+        _wait_log(caplog, f"ignored gossip from {mallory.peer_id}: unknown gossip message type")
+        _wait_log(caplog, f"refused gossip from {mallory.peer_id}: invalid delta_announced")
         with c.store.session() as s:
             assert s.query(DeltaRecord).count() == 2
 
@@ -189,6 +201,24 @@ def test_delta_against_wrong_base_or_with_nan_refused(tmp_path, coordinator):
         _announce(peer, signed)
         record = _wait_record(c, signed.manifest_id)
         assert record.status == "rejected" and "NaN" in record.reason
+        # Fetched to be checked, then refused: nothing of it is kept.
+        assert peer.bytes_served == sum(manifest.blobs.values())
+        assert not any(c.blobs.has(sha) for sha in manifest.blobs)
+        assert not any(c.blobs.partial_path(sha).exists() for sha in manifest.blobs)
+
+        # A validly signed manifest that lists its blob as larger than its tensors: refused
+        # before anything is fetched (a peer could otherwise make the coordinator download
+        # bytes no tensor needs, or sizes its limits do not see).
+        padded = _delta_for(key, store, base_dir, base.id, 3e-3)
+        sha, size = next(iter(padded.blobs.items()))
+        inflated = sign_manifest(padded.model_copy(update={"blobs": {sha: size + 1}}), key)
+        served_before = peer.bytes_served
+        peer.serve_blob(sha)
+        _announce(peer, inflated)
+        record = _wait_record(c, inflated.manifest_id)
+        assert (record.status, record.rejection_kind) == ("rejected", "signature")
+        assert f"listed as {size + 1} bytes but its tensors take {size}" in record.reason
+        assert peer.bytes_served == served_before and not c.blobs.has(sha)
     finally:
         peer.stop()
 
@@ -335,12 +365,17 @@ def test_peer_not_on_the_allow_list_is_refused_before_fetching(tmp_path, tiny_ba
         for sha in manifest.blobs:
             peer.serve_blob(sha)
         signed = sign_manifest(manifest, key)
+        peer.publish(encode_message(NodeHeartbeat(domain="math", round=1, step=3, reward=0.5)))
         _announce(peer, signed)
         record = _wait_record(c, signed.manifest_id)
         assert record.status == "rejected"
         assert "allow-list" in record.reason
         assert peer.bytes_served == 0
         assert not any(c.blobs.has(sha) for sha in manifest.blobs)
+        # Its heartbeat (handled before the announcement, in the order it was sent) left no
+        # trace: a peer outside the allow-list cannot grow the coordinator's tables.
+        with c.store.session() as s:
+            assert s.get(NodeRecord, peer.peer_id) is None
     finally:
         peer.stop()
         c.stop()
