@@ -31,6 +31,10 @@ from protocol.pull import pull
 
 log = logging.getLogger(__name__)
 
+# How long a node waits for a first connection to the swarm (the coordinator's libp2p peer or a
+# bootstrap peer) after it starts.
+CONNECT_TIMEOUT_S = 60.0
+
 
 class NodeError(RuntimeError):
     """The node cannot go on; the message says what the operator should look at."""
@@ -80,6 +84,29 @@ class CoordinatorClient:
         self._http.close()
 
 
+class _Outage:
+    """Says once that the coordinator's API stopped answering, and once that it is back: a node
+    waiting on it rides out a restart of the coordinator instead of failing its round."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.since: float | None = None
+
+    def failed(self, error: httpx.TransportError) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            log.warning("coordinator at %s not answering (%s); waiting for it", self.url, error)
+
+    def answered(self) -> None:
+        if self.since is not None:
+            log.info(
+                "coordinator at %s answers again after %.0f s",
+                self.url,
+                time.monotonic() - self.since,
+            )
+            self.since = None
+
+
 class NodeDaemon:
     """Runs a node's rounds; `stop()` (e.g. from a signal handler) ends it at the next wait."""
 
@@ -114,6 +141,7 @@ class NodeDaemon:
             topic=info["topic"],
             listen_host=self.config.p2p_host,
             listen_port=self.config.p2p_port,
+            deliver_gossip=False,  # a node publishes and relays gossip; it reads none
         )
         self.host.start()
         log.info(
@@ -131,7 +159,7 @@ class NodeDaemon:
             while not self._stop.is_set() and (
                 self.config.rounds == 0 or done < self.config.rounds
             ):
-                result = self.run_round(self.client.info())
+                result = self.run_round(self.client.wait_ready(self.config.round_timeout_s))
                 if result is None:  # stopped mid-round; the next start resumes it
                     break
                 results.append(result)
@@ -145,15 +173,28 @@ class NodeDaemon:
             self.client.close()
 
     def _connect(self, info: dict) -> None:
+        """Hold connections to the coordinator's peer and the bootstrap peers (redialled with
+        backoff whenever they drop, for as long as the node runs); return once one is up."""
         assert self.host is not None
-        for addr in [*info["multiaddrs"], *self.config.bootstrap_peers]:
+        self._keep_connected([*info["multiaddrs"], *self.config.bootstrap_peers])
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while not self.host.connected_peers():
+            if self._stop.is_set():
+                return
+            if time.monotonic() > deadline:
+                raise NodeError(
+                    f"could not reach the coordinator's peer at {info['multiaddrs']} or a "
+                    f"bootstrap peer within {CONNECT_TIMEOUT_S:.0f} s"
+                )
+            self._stop.wait(0.2)
+
+    def _keep_connected(self, multiaddrs: list[str]) -> None:
+        assert self.host is not None
+        for addr in multiaddrs:
             try:
-                self.host.connect(addr)
-                log.info("connected to %s", addr)
-            except Exception as exc:  # one unreachable address is not fatal
-                log.warning("could not dial %s: %s", addr, exc)
-        if not self.host.connected_peers():
-            raise NodeError(f"could not reach the coordinator's peer at {info['multiaddrs']}")
+                self.host.keep_connected([addr])
+            except Exception as exc:  # one unusable address is not fatal
+                log.warning("cannot dial %s: %s", addr, exc)
 
     def run_round(self, info: dict) -> RoundResult | None:
         """Train one round on the current base and publish the delta; wait for the merge.
@@ -162,6 +203,7 @@ class NodeDaemon:
         daemon restarted after publishing) is announced again instead of trained anew."""
         assert self.host is not None
         number, base_id, revision = info["round"], info["base_id"], info["base_revision"]
+        self._keep_connected(info["multiaddrs"])  # the coordinator may listen elsewhere now
         kept = self._kept_delta(base_id, number)
         self._collect_garbage(
             keep_checkpoint=revision,
@@ -398,12 +440,19 @@ class NodeDaemon:
             log.warning("gossip mesh not formed yet (%s); announcing anyway", exc)
         next_announce = 0.0
         last_fetch_failure: str | None = None
+        outage = _Outage(self.client.url)
         while time.monotonic() < deadline and not self._stop.is_set():
             if time.monotonic() >= next_announce:
                 self.host.publish(message)
                 log.info("announced delta %s", signed.manifest_id[:12])
                 next_announce = time.monotonic() + 10.0
-            record = self.client.delta(signed.manifest_id)
+            try:
+                record = self.client.delta(signed.manifest_id)
+            except httpx.TransportError as error:
+                outage.failed(error)
+                self._stop.wait(1.0)
+                continue
+            outage.answered()
             if record is not None and record.get("rejection_kind") == "fetch":
                 # The coordinator could not download the blobs (a dropped link, say): it takes
                 # the next announcement again, so keep announcing and serving.
@@ -424,8 +473,15 @@ class NodeDaemon:
 
     def _wait_for_next_base(self, base_id: str) -> str | None:
         deadline = time.monotonic() + self.config.round_timeout_s
+        outage = _Outage(self.client.url)
         while time.monotonic() < deadline and not self._stop.is_set():
-            info = self.client.info()
+            try:
+                info = self.client.info()
+            except httpx.TransportError as error:
+                outage.failed(error)
+                self._stop.wait(2.0)
+                continue
+            outage.answered()
             if info["base_id"] != base_id:
                 log.info(
                     "merged checkpoint %s published (round %d)",

@@ -49,18 +49,28 @@ def _swarm(tmp_path: Path, base: Path, steps: int, rounds: int) -> tuple[Path, P
     return coordinator_toml, node_toml, url
 
 
-def test_two_rounds_the_second_trained_from_the_first_merge(tmp_path: Path, tiny_base: Path):
+def _round_status(url: str, number: int) -> str | None:
+    try:
+        rounds = httpx.get(f"{url}/v1/rounds", timeout=5).json()
+    except httpx.HTTPError:
+        return None
+    return next((r["status"] for r in rounds if r["number"] == number), None)
+
+
+def test_two_rounds_the_second_trained_from_the_first_merge_across_a_coordinator_restart(
+    tmp_path: Path, tiny_base: Path
+):
+    """The coordinator is stopped and started again once round 1 is published: the node waits
+    for its API, redials its libp2p peer and has its second delta merged."""
     coordinator_toml, node_toml, url = _swarm(tmp_path, tiny_base, steps=2, rounds=2)
     node_config = load_toml_config(node_toml, NodeConfig)
     health = f"http://{node_config.health_host}:{node_config.health_port}"
     logs = tmp_path / "logs"
     logs.mkdir()
+    serve = ["coordinator", "serve", "--config", str(coordinator_toml)]
     processes: list[Process] = []
     try:
-        processes.append(
-            spawn("coordinator", ["coordinator", "serve", "--config", str(coordinator_toml)],
-                  logs / "coordinator.log")
-        )  # fmt: skip
+        processes.append(spawn("coordinator", serve, logs / "coordinator.log"))
         wait_http(url, processes[0], timeout=120)
         node = spawn("node", ["node", "run", "--config", str(node_toml)], logs / "node.log")
         processes.append(node)
@@ -74,6 +84,11 @@ def test_two_rounds_the_second_trained_from_the_first_merge(tmp_path: Path, tiny
         _wait_for(healthy, "the node's health endpoint", processes)
         status = httpx.get(f"{health}/healthz", timeout=2).json()
         assert status["domain"] == "math" and status["peer_id"].startswith("12D3KooW")
+        _wait_for(lambda: _round_status(url, 1) == "published", "round 1", processes, 300)
+        stop_all(processes[:1])
+        assert "Application shutdown complete" in processes[0].tail()
+        processes[0] = spawn("coordinator", serve, logs / "coordinator-restarted.log")
+        wait_http(url, processes[0], timeout=120)
         _wait_for(lambda: node.popen.poll() is not None, "the node's two rounds", processes, 420)
         assert node.popen.returncode == 0, node.tail()
         rounds = {r["number"]: r for r in httpx.get(f"{url}/v1/rounds", timeout=5).json()}
@@ -86,6 +101,7 @@ def test_two_rounds_the_second_trained_from_the_first_merge(tmp_path: Path, tiny
     assert first.base_id == rounds[1]["base_id"] != second.base_id
     log = (logs / "node.log").read_text()
     assert "round=1 step=2/2" in log and "round=2 step=2/2" in log
+    assert "lost the connection to" in log and "reconnected to" in log
 
 
 def test_sigterm_mid_round_then_restart_resumes_and_completes(tmp_path: Path, tiny_base: Path):
