@@ -1,8 +1,10 @@
 """Blob transfers that break and recover, between real SwarmHosts on 127.0.0.1.
 
-A 100 MiB blob is cut mid-transfer and resumed at the same holder and at another one; corrupted
-bytes (in a holder's store or in a partial download) are detected and fetched again; a dropped
-connection is redialled by keep_connected once the remote host is back on the same port.
+The blob of a ~100 MB weight delta, packed by protocol.delta, is cut mid-transfer and resumed at
+the same holder and at another one; corrupted bytes (in a holder's store or in a partial
+download) are detected and fetched again; and each time the receiver rebuilds every tensor from
+it bit-identical to the sender's. A dropped connection is redialled by keep_connected once the
+remote host is back on the same port.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import queue
 import random
+import shutil
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -23,12 +26,14 @@ from typing import Any, TypeVar
 import msgpack
 import multiaddr
 import pytest
+import torch
 import trio
 from libp2p.io.trio import TrioTCPStream
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 
 from protocol.blobstore import BlobStore
+from protocol.delta import DeltaReader, pack_delta
 from protocol.host import (
     BLOB_CHUNK_BYTES,
     BLOB_PROTOCOL_ID,
@@ -50,15 +55,28 @@ from protocol.host import (
     _read_into,
     _StreamBuffer,
 )
-from protocol.identity import load_or_create_identity
+from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
+from protocol.manifest import DeltaManifest
 
 pytestmark = pytest.mark.timeout(120)
 
 TOPIC = "skillswarm-transfer-test"
-BIG_BLOB_BYTES = 100 << 20
-# Transfers are cut once the holder has sent this much: near halfway, with room left for the stop
-# to land before the last byte on a fast machine.
-CUT_AFTER_BYTES = BIG_BLOB_BYTES * 2 // 5
+# The delta's weights, in bf16. A fine-tune moved every element of these by as much as its own
+# size, so the XOR of old and new bits deflates little (to ~1.44 of its 2 bytes an element): the
+# delta's blob is ~103 MB.
+MOVED_SHAPES = {
+    "layers.0.attn.out": (2048, 4096),
+    "layers.0.attn.qkv": (4096, 4096),
+    "layers.0.mlp.down": (4096, 5632),
+    "layers.0.mlp.up": (5632, 4096),
+}
+# One row in EDITED_ROW_STRIDE of this one moved (a few tokens' rows), and this one did not move.
+EDITED = "lm_head"
+EDITED_SHAPE = (1024, 4096)
+EDITED_ROW_STRIDE = 64
+UNCHANGED = "norm"
+UNCHANGED_SHAPE = (4096,)
+DELTA_SEED = 7
 CORRUPTED_SPAN_BYTES = 1 << 20
 DELIVERY_TIMEOUT_S = 30
 MESH_TIMEOUT_S = 45
@@ -79,10 +97,52 @@ class Blob:
         return len(self.data)
 
 
+@dataclass(frozen=True)
+class Delta:
+    """A delta packed by protocol.delta, the weights it was packed from, and its one blob."""
+
+    base: dict[str, torch.Tensor]
+    tuned: dict[str, torch.Tensor]
+    manifest: DeltaManifest
+    blob: Blob
+
+
 @pytest.fixture(scope="module")
-def big_blob() -> Blob:
-    data = os.urandom(BIG_BLOB_BYTES)
-    return Blob(hashlib.sha256(data).hexdigest(), data)
+def delta(tmp_path_factory: pytest.TempPathFactory) -> Delta:
+    """Seeded bf16 weights and a tuning of them, packed once for the module (packing ~100 MB
+    takes ~20 s on one torch thread); the trainer's store is dropped once its blob is read."""
+    generator = torch.Generator().manual_seed(DELTA_SEED)
+    base, tuned = {}, {}
+    for name, shape in MOVED_SHAPES.items():
+        base[name] = torch.randn(shape, generator=generator).to(torch.bfloat16)
+        tuned[name] = torch.randn(shape, generator=generator).add_(base[name]).to(torch.bfloat16)
+    base[EDITED] = torch.randn(EDITED_SHAPE, generator=generator).to(torch.bfloat16)
+    tuned[EDITED] = base[EDITED].clone()
+    edited_rows = tuned[EDITED][::EDITED_ROW_STRIDE]
+    edited_rows += torch.randn(edited_rows.shape, generator=generator).to(torch.bfloat16)
+    base[UNCHANGED] = torch.ones(UNCHANGED_SHAPE, dtype=torch.bfloat16)
+    tuned[UNCHANGED] = base[UNCHANGED].clone()
+
+    root = tmp_path_factory.mktemp("trainer")
+    key_pair = load_or_create_identity(root / "trainer.key")
+    store = BlobStore(root / "blobs")
+    manifest = pack_delta(
+        base,
+        tuned,
+        store,
+        peer_id=peer_id_of(key_pair),
+        public_key=public_key_bytes(key_pair),
+        domain="math",
+        base_id="ab" * 32,
+        round=1,
+        steps=1,
+    )
+    ((sha256, size),) = manifest.blobs.items()
+    blob = Blob(sha256, store.path(sha256).read_bytes())
+    shutil.rmtree(root)
+    assert blob.size == size
+    assert sorted(manifest.tensors) == sorted([*MOVED_SHAPES, EDITED])  # UNCHANGED is left out
+    return Delta(base, tuned, manifest, blob)
 
 
 @pytest.fixture
@@ -113,6 +173,12 @@ def with_corrupted_span(data: bytes, at: int) -> bytes:
     """`data` with CORRUPTED_SPAN_BYTES of it, starting at `at`, inverted."""
     span = bytes(byte ^ 0xFF for byte in data[at : at + CORRUPTED_SPAN_BYTES])
     return data[:at] + span + data[at + len(span) :]
+
+
+def cut_point(blob: Blob) -> int:
+    """Where a transfer of `blob` is cut: near halfway, with room left for the stop to land
+    before the last byte on a fast machine."""
+    return blob.size * 2 // 5
 
 
 def cut_when_served(server: SwarmHost, at_least: int, fetch: Future[Any], cut: SwarmHost) -> None:
@@ -151,6 +217,18 @@ def next_message(host: SwarmHost, data: bytes) -> str:
             return message.from_peer
 
 
+def assert_rebuilds_the_tuned_weights(delta: Delta, store: BlobStore) -> None:
+    """Every tensor, rebuilt from the base and the delta's blob in `store`, is bit-identical to
+    the tuned one it was packed from (a tensor the delta leaves out is the base's)."""
+    reader = DeltaReader(delta.manifest, store)
+    for name, base in delta.base.items():
+        rebuilt = reader.expert(name, base)
+        if rebuilt is None:
+            rebuilt = base
+        expected = delta.tuned[name].to(torch.bfloat16)
+        assert torch.equal(rebuilt.view(torch.int16), expected.view(torch.int16)), name
+
+
 def port_of(host: SwarmHost) -> int:
     return int(multiaddr.Multiaddr(host.listen_addrs[0]).value_for_protocol("tcp"))
 
@@ -159,56 +237,59 @@ def port_of(host: SwarmHost) -> int:
 
 
 def test_cut_transfer_resumes_from_its_offset_at_the_same_holder(
-    tmp_path: Path, big_blob: Blob, background: Callable[[Callable[[], Path]], Future[Path]]
+    tmp_path: Path, delta: Delta, background: Callable[[Callable[[], Path]], Future[Path]]
 ) -> None:
-    """The fetching node goes down halfway; once back, it asks the holder only for the rest."""
+    """The fetching node goes down halfway through a delta; once back, it asks the holder only
+    for the rest, and rebuilds the tuned weights from what it pieced together."""
+    blob = delta.blob
     holder, client = make_host(tmp_path, "holder"), make_host(tmp_path, "client")
     with holder, client:
-        holder_of(big_blob, holder)
+        holder_of(blob, holder)
         client.connect(holder.listen_addrs[0])
-        fetch = background(
-            lambda: client.fetch_blob(holder.peer_id, big_blob.sha256, big_blob.size)
-        )
-        cut_when_served(holder, CUT_AFTER_BYTES, fetch, cut=client)
+        fetch = background(lambda: client.fetch_blob(holder.peer_id, blob.sha256, blob.size))
+        cut_when_served(holder, cut_point(blob), fetch, cut=client)
         with pytest.raises((BlobFetchError, HostNotRunning)):
             fetch.result(TRANSFER_TIMEOUT_S)
 
         with make_host(tmp_path, "client") as restarted:  # same key, same blob store
-            _, kept = restarted.blob_store.open_partial(big_blob.sha256)
-            assert 0 < kept < big_blob.size
+            _, kept = restarted.blob_store.open_partial(blob.sha256)
+            assert 0 < kept < blob.size
             served_before = holder.bytes_served
             restarted.connect(holder.listen_addrs[0])
 
-            path = restarted.fetch_blob(holder.peer_id, big_blob.sha256, big_blob.size)
+            path = restarted.fetch_blob(holder.peer_id, blob.sha256, blob.size)
 
-            assert holder.bytes_served - served_before == big_blob.size - kept
-            assert sha256_of(path) == big_blob.sha256
-            assert not restarted.blob_store.partial_path(big_blob.sha256).exists()
+            assert holder.bytes_served - served_before == blob.size - kept
+            assert sha256_of(path) == blob.sha256
+            assert not restarted.blob_store.partial_path(blob.sha256).exists()
+            assert_rebuilds_the_tuned_weights(delta, restarted.blob_store)
 
 
 def test_cut_transfer_resumes_at_the_next_holder(
     tmp_path: Path,
-    big_blob: Blob,
+    delta: Delta,
     background: Callable[[Callable[[], Path]], Future[Path]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The first holder goes away mid-transfer: the fetch retries it, then resumes at the second."""
+    """The first holder of a delta goes away mid-transfer: the fetch retries it, then resumes at
+    the second from its offset, and the tuned weights rebuild bit-identical."""
     caplog.set_level(logging.INFO, logger="protocol.host")
+    blob = delta.blob
     first, second = make_host(tmp_path, "first"), make_host(tmp_path, "second")
     with first, second, make_host(tmp_path, "client") as client:
         for holder in (first, second):
-            holder_of(big_blob, holder)
+            holder_of(blob, holder)
             client.connect(holder.listen_addrs[0])
         fetch = background(
             lambda: client.fetch_blob_from_any(
-                [first.peer_id, second.peer_id], big_blob.sha256, big_blob.size
+                [first.peer_id, second.peer_id], blob.sha256, blob.size
             )
         )
-        cut_when_served(first, CUT_AFTER_BYTES, fetch, cut=first)
+        cut_when_served(first, cut_point(blob), fetch, cut=first)
 
         path = fetch.result(TRANSFER_TIMEOUT_S)
 
-        assert sha256_of(path) == big_blob.sha256
+        assert sha256_of(path) == blob.sha256
         (resumed_from,) = [
             record.args[1]
             for record in caplog.records
@@ -216,8 +297,8 @@ def test_cut_transfer_resumes_at_the_next_holder(
             and isinstance(record.args, tuple)
             and record.args[3] == second.peer_id
         ]
-        assert 0 < resumed_from < big_blob.size
-        assert second.bytes_served == big_blob.size - resumed_from
+        assert 0 < resumed_from < blob.size
+        assert second.bytes_served == blob.size - resumed_from
         retries_of_first = [
             record
             for record in caplog.records
@@ -226,49 +307,54 @@ def test_cut_transfer_resumes_at_the_next_holder(
             and record.args[1] == first.peer_id
         ]
         assert len(retries_of_first) == 1  # attempts_per_peer=2: one retry, then the next holder
+        assert_rebuilds_the_tuned_weights(delta, client.blob_store)
 
 
 # Corrupted bytes
 
 
 def test_holder_with_corrupted_bytes_is_detected_and_the_next_holder_serves_the_blob(
-    tmp_path: Path, big_blob: Blob, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, delta: Delta, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A holder whose copy of a delta has a corrupted span serves it whole; the download fails
+    its check, the next holder serves the delta from byte 0, and the weights rebuild exactly."""
     caplog.set_level(logging.WARNING, logger="protocol.host")
+    blob = delta.blob
     bad, good = make_host(tmp_path, "bad"), make_host(tmp_path, "good")
     with bad, good, make_host(tmp_path, "client") as client:
-        holder_of(big_blob, bad, stored_bytes=with_corrupted_span(big_blob.data, 60 << 20))
-        holder_of(big_blob, good)
+        holder_of(blob, bad, stored_bytes=with_corrupted_span(blob.data, blob.size * 3 // 5))
+        holder_of(blob, good)
         for holder in (bad, good):
             client.connect(holder.listen_addrs[0])
 
-        path = client.fetch_blob_from_any(
-            [bad.peer_id, good.peer_id], big_blob.sha256, big_blob.size
-        )
+        path = client.fetch_blob_from_any([bad.peer_id, good.peer_id], blob.sha256, blob.size)
 
-        assert sha256_of(path) == big_blob.sha256
+        assert sha256_of(path) == blob.sha256
         # The bad copy came in whole, failed its check, and the good one came from byte 0.
-        assert bad.bytes_served == big_blob.size
-        assert good.bytes_served == big_blob.size
+        assert bad.bytes_served == blob.size
+        assert good.bytes_served == blob.size
         assert any("failed its sha256 check" in record.getMessage() for record in caplog.records)
+        assert_rebuilds_the_tuned_weights(delta, client.blob_store)
 
 
 def test_corrupted_partial_is_detected_and_fetched_again_from_scratch(
-    tmp_path: Path, big_blob: Blob
+    tmp_path: Path, delta: Delta
 ) -> None:
     """A resumed download that fails its check may owe the bad bytes to an earlier attempt: the
-    same holder is asked again for the whole blob."""
+    same holder is asked again for the whole delta, and the weights rebuild exactly."""
+    blob = delta.blob
     with make_host(tmp_path, "holder") as holder, make_host(tmp_path, "client") as client:
-        holder_of(big_blob, holder)
+        holder_of(blob, holder)
         client.connect(holder.listen_addrs[0])
-        half = big_blob.size // 2
-        partial, _ = client.blob_store.open_partial(big_blob.sha256)
-        partial.write_bytes(with_corrupted_span(big_blob.data[:half], 10 << 20))
+        half = blob.size // 2
+        partial, _ = client.blob_store.open_partial(blob.sha256)
+        partial.write_bytes(with_corrupted_span(blob.data[:half], blob.size // 10))
 
-        path = client.fetch_blob_from_any([holder.peer_id], big_blob.sha256, big_blob.size)
+        path = client.fetch_blob_from_any([holder.peer_id], blob.sha256, blob.size)
 
-        assert sha256_of(path) == big_blob.sha256
-        assert holder.bytes_served == (big_blob.size - half) + big_blob.size
+        assert sha256_of(path) == blob.sha256
+        assert holder.bytes_served == (blob.size - half) + blob.size
+        assert_rebuilds_the_tuned_weights(delta, client.blob_store)
 
 
 def test_when_no_holder_delivers_each_ones_failures_are_reported(tmp_path: Path) -> None:
