@@ -83,13 +83,14 @@ def v1_router() -> APIRouter:
     @router.get("/info", response_model=InfoOut)
     def info(request: Request) -> InfoOut:
         c = _coordinator(request)
-        base = c.current_base()
+        current = c.current_round()
+        base = c.round_base(current)
         return InfoOut(
             peer_id=c.host.peer_id,
             multiaddrs=c.advertised_addrs(),
             topic=c.config.topic,
             repo_id=c.config.repo_id,
-            round=c.current_round().number,
+            round=current.number,
             base_id=base.id,
             base_revision=base.revision,
             merge=c.config.merge,

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import torch
 from pydantic import ValidationError
 from sqlalchemy import func, select
@@ -74,6 +75,7 @@ FETCH_RETRY_COOLDOWN_S = 5.0
 # full five minutes a slow link to a large blob may need.
 FETCH_BASE_TIMEOUT_S = 30.0
 FETCH_MIN_RATE_BYTES_PER_S = 1 << 20
+FETCH_MAX_TIMEOUT_S = 300.0  # a larger blob goes on from its partial download at the next attempt
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,7 @@ class Coordinator:
         self._merge_lock = threading.Lock()  # one merge at a time
         self._nodes_lock = threading.Lock()
         self._base_tensors: dict[str, CheckpointTensors] = {}
+        self._garbage_due = False  # collect_garbage found intake busy; the intake loop runs it
         self._score_cache: dict[tuple[str, str, int, int], dict[str, Any]] = {}
         self.fetch_retry_cooldown_s = FETCH_RETRY_COOLDOWN_S
 
@@ -164,6 +167,12 @@ class Coordinator:
 
     def current_base(self) -> CheckpointInfo:
         return self.registry.get("main")
+
+    def round_base(self, round_record: RoundRecord) -> CheckpointInfo:
+        """The checkpoint a round trains on. Between publishing a merge (which moves `main`)
+        and opening the next round, `main` is already the next round's base: a node that paired
+        it with the current round's number would train a delta for a round that is closing."""
+        return self.registry.get(round_record.base_id)
 
     def round_record(self, number: int) -> dict[str, Any]:
         """One round as the API lists it; KeyError for an unknown round."""
@@ -250,6 +259,8 @@ class Coordinator:
                 msg = None
             if msg is not None:
                 self._handle_gossip(msg.from_peer, msg.data)
+            if self._garbage_due:
+                self.collect_garbage()
             if time.monotonic() >= next_policy_check:
                 next_policy_check = time.monotonic() + POLICY_CHECK_INTERVAL_S
                 try:
@@ -337,14 +348,18 @@ class Coordinator:
                     )
                     return existing
             manifest: DeltaManifest | None = None
-            fetching = False
+            fresh: set[str] = set()  # blobs this intake brings in: neither whole nor begun before
             try:
                 refusal = self._sender_refusal(from_peer)
                 if refusal is not None:
                     raise DeltaRejected(refusal, "denied")
                 manifest = signed.verify(announcing_peer=from_peer)
                 self._check_admission(manifest)
-                fetching = True
+                fresh = {
+                    sha
+                    for sha in manifest.blobs
+                    if not self.blobs.has(sha) and not self.blobs.partial_path(sha).exists()
+                }
                 checks = self._fetch_and_validate(from_peer, manifest)
             except (
                 DeltaRejected,
@@ -354,8 +369,8 @@ class Coordinator:
                 BlobStoreError,
             ) as exc:
                 record = self._record_rejection(delta_id, from_peer, manifest, exc)
-                if fetching and record.rejection_kind != "fetch":
-                    self._discard_blobs(manifest)
+                if record.rejection_kind != "fetch":
+                    self._discard_blobs(fresh)
                 return record
             record = DeltaRecord(
                 id=delta_id,
@@ -378,7 +393,7 @@ class Coordinator:
                         "stale",
                     )
                     rejected = self._record_rejection(delta_id, from_peer, manifest, closed)
-                    self._discard_blobs(manifest)
+                    self._discard_blobs(fresh)
                     return rejected
                 with self.store.session() as s:
                     s.add(record)
@@ -425,16 +440,17 @@ class Coordinator:
         log.warning("rejected delta %s from %s (%s): %s", delta_id[:12], from_peer, kind, reason)
         return record
 
-    def _discard_blobs(self, manifest: DeltaManifest | None) -> None:
-        """Delete what intake fetched of a refused delta (blobs and partial downloads), except
-        blobs that a kept delta also lists (blobs are content-addressed)."""
-        if manifest is None:
+    def _discard_blobs(self, fetched: set[str]) -> None:
+        """Delete what intake fetched of a refused delta (`fetched`: blobs it had neither whole
+        nor begun before), except blobs that a kept delta also lists (they are
+        content-addressed). Blobs that were there already are left alone: an announcement names
+        any blobs it likes, and must not remove another delta's partial download."""
+        if not fetched:
             return
         in_use = self._kept_blobs()
-        for sha in manifest.blobs:
-            if sha not in in_use:
-                self.blobs.delete(sha)
-                self.blobs.discard_partial(sha)
+        for sha in fetched - in_use:
+            self.blobs.delete(sha)
+            self.blobs.discard_partial(sha)
 
     def _sender_refusal(self, peer_id: str) -> str | None:
         """Why nothing from `peer_id` is taken (denied by the operator, or not on a configured
@@ -493,7 +509,9 @@ class Coordinator:
                 [from_peer],
                 sha,
                 size,
-                timeout=FETCH_BASE_TIMEOUT_S + size / FETCH_MIN_RATE_BYTES_PER_S,
+                timeout=min(
+                    FETCH_MAX_TIMEOUT_S, FETCH_BASE_TIMEOUT_S + size / FETCH_MIN_RATE_BYTES_PER_S
+                ),
                 attempts_per_peer=FETCH_ATTEMPTS,
             )
         reader = DeltaReader(manifest, self.blobs)
@@ -814,10 +832,17 @@ class Coordinator:
         """Delete delta blobs of rounds older than `keep_rounds`; returns blobs removed.
 
         Runs between two deltas of intake (under its lock), so that the blobs of a delta being
-        fetched, or fetched and not yet recorded, are never taken for garbage.
+        fetched, or fetched and not yet recorded, are never taken for garbage. While intake is
+        busy with a delta it does not wait: the intake loop collects once that delta is done.
         """
-        with self._intake_lock:
+        if not self._intake_lock.acquire(blocking=False):
+            self._garbage_due = True  # the intake loop collects once this delta is recorded
+            return 0
+        try:
+            self._garbage_due = False
             removed = self.blobs.gc(self._kept_blobs())
+        finally:
+            self._intake_lock.release()
         if removed:
             oldest_kept = self.current_round().number - self.config.keep_rounds
             log.info("removed %d delta blobs of rounds before %d", removed, oldest_kept)
@@ -835,7 +860,7 @@ class Coordinator:
             )
             for row in rows:
                 assert row.manifest is not None
-                keep.update(DeltaManifest.decode(row.manifest).blobs)
+                keep.update(_listed_blobs(row.manifest))
         return keep
 
     def _announce_checkpoint(self, info: CheckpointInfo, number: int, parent: str) -> None:
@@ -1118,6 +1143,19 @@ def _round_dict(row: RoundRecord) -> dict[str, Any]:
         "started_at": row.started_at,
         "finished_at": row.finished_at,
     }
+
+
+def _listed_blobs(raw: bytes) -> list[str]:
+    """The blobs a stored manifest lists. One accepted under older, looser checks may no longer
+    decode; its blobs are still kept (read from the msgpack itself), and garbage collection
+    goes on."""
+    try:
+        return list(DeltaManifest.decode(raw).blobs)
+    except ManifestError as error:
+        log.warning("a stored delta manifest no longer validates (%s); keeping its blobs", error)
+        data = msgpack.unpackb(raw, raw=False)
+        blobs = data.get("blobs") if isinstance(data, dict) else None
+        return [sha for sha in blobs if isinstance(sha, str)] if isinstance(blobs, dict) else []
 
 
 def _rejection_kind(exc: Exception) -> str:

@@ -92,7 +92,15 @@ class _Outage:
         self.url = url
         self.since: float | None = None
 
-    def failed(self, error: httpx.TransportError) -> None:
+    @staticmethod
+    def covers(error: httpx.HTTPError) -> bool:
+        """Whether `error` is the coordinator (or a proxy before it) being away: no connection,
+        a timeout, or a 5xx answer; a 4xx is a real refusal."""
+        if isinstance(error, httpx.HTTPStatusError):
+            return error.response.status_code >= 500
+        return isinstance(error, httpx.TransportError)
+
+    def failed(self, error: httpx.HTTPError) -> None:
         if self.since is None:
             self.since = time.monotonic()
             log.warning("coordinator at %s not answering (%s); waiting for it", self.url, error)
@@ -448,7 +456,9 @@ class NodeDaemon:
                 next_announce = time.monotonic() + 10.0
             try:
                 record = self.client.delta(signed.manifest_id)
-            except httpx.TransportError as error:
+            except httpx.HTTPError as error:
+                if not outage.covers(error):
+                    raise
                 outage.failed(error)
                 self._stop.wait(1.0)
                 continue
@@ -477,7 +487,9 @@ class NodeDaemon:
         while time.monotonic() < deadline and not self._stop.is_set():
             try:
                 info = self.client.info()
-            except httpx.TransportError as error:
+            except httpx.HTTPError as error:
+                if not outage.covers(error):
+                    raise
                 outage.failed(error)
                 self._stop.wait(2.0)
                 continue

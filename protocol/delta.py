@@ -10,6 +10,7 @@ rounded difference) is lossy, off by default, and marks the whole manifest lossy
 from __future__ import annotations
 
 import datetime as dt
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -72,7 +73,8 @@ def encode_tensor(
         raise DeltaError(f"cannot encode a delta of dtype {base.dtype}")
     if tuned.shape != base.shape:
         raise DeltaError(f"tuned shape {tuple(tuned.shape)} != base {tuple(base.shape)}")
-    tuned = tuned.detach().to(base.dtype)
+    # On the base's device (the CPU, where checkpoints are read), whatever device trained it.
+    tuned = tuned.detach().to(device=base.device, dtype=base.dtype)
     base_bits, tuned_bits = _bits(base.detach()), _bits(tuned)
     changed = (base_bits != tuned_bits).nonzero().squeeze(1)
     if changed.numel() == 0:
@@ -80,6 +82,8 @@ def encode_tensor(
     if lossy_int8:
         diff = tuned.float() - base.float()
         scale = float(diff.abs().max()) / 127.0 or 1.0
+        if not math.isfinite(scale):
+            raise DeltaError("cannot quantise a change that is not finite to int8")
         q = torch.round(diff / scale).clamp(-127, 127).to(torch.int8)
         return EncodedTensor("int8", q.numpy().tobytes(), scale=scale)
     dense = tuned_bits.numpy().tobytes()

@@ -21,6 +21,8 @@ MANIFEST_SCHEMA = "skillswarm.delta/1"
 MAX_MANIFEST_BYTES = 512 * 1024
 MAX_TENSORS = 100_000
 ELEMENT_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+# The blob of a delta in which no tensor changed (pack_delta still writes and lists it).
+EMPTY_BLOB = hashlib.sha256(b"").hexdigest()
 
 
 class ManifestError(ValueError):
@@ -111,6 +113,8 @@ class DeltaManifest(BaseModel):
                 raise ValueError(
                     f"blob {sha[:12]} is listed as {size} bytes but its tensors take {end}"
                 )
+            if sha not in entries and sha != EMPTY_BLOB:
+                raise ValueError(f"blob {sha[:12]} is listed but no tensor is in it")
         return self
 
     def encode(self) -> bytes:

@@ -350,7 +350,7 @@ def test_garbage_collection_keeps_recent_rounds(tmp_path, tiny_base):
         c.store.close()
 
 
-def test_peer_not_on_the_allow_list_is_refused_before_fetching(tmp_path, tiny_base):
+def test_peer_not_on_the_allow_list_is_refused_before_fetching(tmp_path, tiny_base, caplog):
     c = Coordinator(
         _config(
             tmp_path, tiny_base, allowed_peers=["12D3KooWNotTheSenderAtAllxxxxxxxxxxxxxxxxxxxxxxxx"]
@@ -365,15 +365,17 @@ def test_peer_not_on_the_allow_list_is_refused_before_fetching(tmp_path, tiny_ba
         for sha in manifest.blobs:
             peer.serve_blob(sha)
         signed = sign_manifest(manifest, key)
+        caplog.set_level(logging.DEBUG, logger="coordinator.service")
         peer.publish(encode_message(NodeHeartbeat(domain="math", round=1, step=3, reward=0.5)))
+        _wait_log(caplog, f"ignored a heartbeat: peer {peer.peer_id} is not on the allow-list")
         _announce(peer, signed)
         record = _wait_record(c, signed.manifest_id)
         assert record.status == "rejected"
         assert "allow-list" in record.reason
         assert peer.bytes_served == 0
         assert not any(c.blobs.has(sha) for sha in manifest.blobs)
-        # Its heartbeat (handled before the announcement, in the order it was sent) left no
-        # trace: a peer outside the allow-list cannot grow the coordinator's tables.
+        # Its heartbeat left no trace: a peer outside the allow-list cannot grow the
+        # coordinator's tables.
         with c.store.session() as s:
             assert s.get(NodeRecord, peer.peer_id) is None
     finally:

@@ -58,7 +58,8 @@ from protocol.host import (
 from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
 from protocol.manifest import DeltaManifest
 
-pytestmark = pytest.mark.timeout(120)
+# The module's ~100 MB delta is packed in the first test's setup (~20 s), which counts too.
+pytestmark = pytest.mark.timeout(240)
 
 TOPIC = "skillswarm-transfer-test"
 # The delta's weights, in bf16. A fine-tune moved every element of these by as much as its own

@@ -124,6 +124,7 @@ def test_manifest_bounds_every_byte_a_peer_would_be_asked_for(tmp_path, keys):
     refused("listed as -5 bytes", blobs={sha: -5})
     refused(f"listed as {size + 1} bytes", blobs={sha: size + 1})
     refused("listed as 10 bytes but its tensors take 0", blobs={sha: size, "cd" * 32: 10})
+    refused("listed but no tensor is in it", blobs={sha: size, "cd" * 32: 0})
     refused("String should match pattern", blobs={sha: size, "../x": 0})
     refused("not listed", blobs={"cd" * 32: size})
     refused(
@@ -139,6 +140,21 @@ def test_manifest_bounds_every_byte_a_peer_would_be_asked_for(tmp_path, keys):
         tensors={**manifest.tensors, "b": entry.model_copy(update={"shape": (-64,)})},
     )
     assert DeltaManifest.decode(manifest.encode()) == manifest
+
+
+def test_a_delta_that_changes_nothing_decodes_and_a_non_finite_int8_one_is_refused(tmp_path):
+    store = BlobStore(tmp_path / "blobs")
+    base = {"w": torch.randn(4, 3)}
+    fields = {"peer_id": "p", "public_key": b"", "domain": "math", "base_id": BASE_ID}
+    same = pack_delta(base, {"w": base["w"].clone()}, store, round=1, steps=1, **fields)
+    assert same.tensors == {} and list(same.blobs.values()) == [0]
+    assert DeltaManifest.decode(same.encode()) == same
+    broken = {"w": base["w"].clone()}
+    broken["w"][0, 0] = float("inf")
+    before = set(store.blob_ids())
+    with pytest.raises(DeltaError, match="not finite"):
+        pack_delta(base, broken, store, round=1, steps=1, lossy_int8=True, **fields)
+    assert set(store.blob_ids()) == before  # refused before anything was written
 
 
 def test_reader_refuses_mismatched_shape(tmp_path, keys):

@@ -3,6 +3,7 @@ show in the read API, /v1/nodes, /metrics for Prometheus, and a valid OpenAPI do
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
@@ -295,6 +296,32 @@ def test_denied_peer_is_refused_then_admitted_again_and_nodes_show_it(
 
     malformed = client.post("/v1/operator/peers/not%20a%20peer%20id/deny", headers=AUTH)
     assert malformed.status_code == 400
+
+
+def test_info_pairs_the_round_with_its_own_base_while_a_merge_is_being_recorded(
+    client: TestClient, coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """A merge moves the registry's `main` a moment before the next round opens; in between,
+    /v1/info still gives the closing round with its own base, never the new base with the old
+    round's number (a node would train a delta for a round that is closing on it)."""
+    base = coordinator.current_base()
+    before = client.get("/v1/info").json()
+    assert (before["round"], before["base_id"]) == (1, base.id)
+    # What _run_round does first when it publishes, before _record_published opens round 2.
+    merged_dir = tmp_path / "merged"
+    shutil.copytree(coordinator.registry.checkpoint_dir(base), merged_dir)
+    (merged_dir / "generation_config.json").write_text('{"do_sample": false}')
+    published = coordinator.registry.publish(merged_dir, round=1, parent=base.id, method="linear")
+    assert coordinator.current_base().id == published.id != base.id
+    during = client.get("/v1/info").json()
+    assert (during["round"], during["base_id"], during["base_revision"]) == (
+        1,
+        base.id,
+        base.revision,
+    )
+    coordinator._record_published(1, published)
+    after = client.get("/v1/info").json()
+    assert (after["round"], after["base_id"]) == (2, published.id)
 
 
 def test_start_a_round_now_then_retire_its_checkpoint(
