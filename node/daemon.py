@@ -27,7 +27,7 @@ from protocol.host import SwarmHost, freeze_startup_heap
 from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
 from protocol.manifest import SignedManifest, sign_manifest
 from protocol.messages import DeltaAnnounced, NodeHeartbeat, decode_message, encode_message
-from protocol.pull import pull
+from protocol.pull import PullError, pull
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +221,8 @@ class NodeDaemon:
         self.status.update(phase="pulling", round=number, step=0)
         log.info("round=%d pulling base %s", number, base_id[:12])
         base_dir = self.config.work_dir / "checkpoints" / revision
-        pull(
-            self.config.coordinator_url, revision, base_dir, repo_id=info["repo_id"], progress=False
-        )
+        if not self._pull_base(revision, base_dir, info["repo_id"]):
+            return None
         if kept is None:
             trained = self._train(number, base_id, base_dir)
             if trained is None:
@@ -261,6 +260,30 @@ class NodeDaemon:
             next_base,
             metrics,
         )
+
+    def _pull_base(self, revision: str, base_dir: Path, repo_id: str) -> bool:
+        """Pull the round's base from the registry, resuming across a coordinator that stops
+        answering meanwhile (a pull keeps what it has and goes on from there); False when the
+        daemon is stopped first."""
+        deadline = time.monotonic() + self.config.round_timeout_s
+        outage = _Outage(self.client.url)
+        while True:
+            try:
+                pull(
+                    self.config.coordinator_url, revision, base_dir, repo_id=repo_id, progress=False
+                )
+            except PullError as error:
+                cause = error.__cause__
+                if not isinstance(cause, httpx.HTTPError) or not outage.covers(cause):
+                    raise
+                if time.monotonic() > deadline:
+                    raise NodeError(f"could not pull base {revision}: {error}") from error
+                outage.failed(cause)
+                if self._stop.wait(2.0):
+                    return False
+                continue
+            outage.answered()
+            return True
 
     def _training_dir(self, base_id: str, number: int) -> Path:
         return self.config.work_dir / "training" / f"round-{number}-{base_id[:16]}"

@@ -159,7 +159,7 @@ def pack_delta(
     index: dict[str, dict] = {}
     for name in sorted(base):
         if not base[name].is_floating_point():
-            if not torch.equal(base[name], tuned[name]):
+            if not torch.equal(base[name], tuned[name].to(base[name].device)):
                 raise DeltaError(
                     f"tensor {name} of dtype {base[name].dtype} changed; deltas carry "
                     "floating-point tensors only"
