@@ -464,9 +464,8 @@ class Coordinator:
         return None
 
     def _check_admission(self, manifest: DeltaManifest) -> None:
-        refusal = self._sender_refusal(manifest.peer_id)
-        if refusal is not None:
-            raise DeltaRejected(refusal, "denied")
+        """Base, round, size and lossiness (its signer, the announcing peer, was admitted
+        before its signature was checked)."""
         current = self.current_round()
         if manifest.base_id != current.base_id:
             raise DeltaRejected(

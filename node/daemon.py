@@ -12,9 +12,10 @@ import math
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -30,6 +31,7 @@ from protocol.messages import DeltaAnnounced, NodeHeartbeat, decode_message, enc
 from protocol.pull import PullError, pull
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # How long a node waits for a first connection to the swarm (the coordinator's libp2p peer or a
 # bootstrap peer) after it starts.
@@ -85,34 +87,38 @@ class CoordinatorClient:
 
 
 class _Outage:
-    """Says once that the coordinator's API stopped answering, and once that it is back: a node
-    waiting on it rides out a restart of the coordinator instead of failing its round."""
+    """Asks the coordinator's API for something while riding out a restart of the coordinator:
+    a request that finds it away (no connection, a timeout, a 5xx answer from it or a proxy
+    before it) is reported once, and its return once; a 4xx is a real refusal and is raised."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.since: float | None = None
 
-    @staticmethod
-    def covers(error: httpx.HTTPError) -> bool:
-        """Whether `error` is the coordinator (or a proxy before it) being away: no connection,
-        a timeout, or a 5xx answer; a 4xx is a real refusal."""
-        if isinstance(error, httpx.HTTPStatusError):
-            return error.response.status_code >= 500
-        return isinstance(error, httpx.TransportError)
-
-    def failed(self, error: httpx.HTTPError) -> None:
-        if self.since is None:
-            self.since = time.monotonic()
-            log.warning("coordinator at %s not answering (%s); waiting for it", self.url, error)
-
-    def answered(self) -> None:
+    def ask(self, request: Callable[[], _T]) -> tuple[bool, _T | None]:
+        """(True, what `request` returned), or (False, None) while the coordinator is away.
+        A pull's PullError is judged by the HTTP error that caused it."""
+        try:
+            value = request()
+        except (httpx.HTTPError, PullError) as error:
+            cause = error.__cause__ if isinstance(error, PullError) else error
+            if not (isinstance(cause, httpx.HTTPError) and _coordinator_away(cause)):
+                raise
+            if self.since is None:
+                self.since = time.monotonic()
+                log.warning("coordinator at %s not answering (%s); waiting for it", self.url, cause)
+            return False, None
         if self.since is not None:
-            log.info(
-                "coordinator at %s answers again after %.0f s",
-                self.url,
-                time.monotonic() - self.since,
-            )
+            away = time.monotonic() - self.since
+            log.info("coordinator at %s answers again after %.0f s", self.url, away)
             self.since = None
+        return True, value
+
+
+def _coordinator_away(error: httpx.HTTPError) -> bool:
+    if isinstance(error, httpx.HTTPStatusError):
+        return error.response.status_code >= 500
+    return isinstance(error, httpx.TransportError)
 
 
 class NodeDaemon:
@@ -268,22 +274,17 @@ class NodeDaemon:
         deadline = time.monotonic() + self.config.round_timeout_s
         outage = _Outage(self.client.url)
         while True:
-            try:
-                pull(
+            pulled, _ = outage.ask(
+                lambda: pull(
                     self.config.coordinator_url, revision, base_dir, repo_id=repo_id, progress=False
                 )
-            except PullError as error:
-                cause = error.__cause__
-                if not isinstance(cause, httpx.HTTPError) or not outage.covers(cause):
-                    raise
-                if time.monotonic() > deadline:
-                    raise NodeError(f"could not pull base {revision}: {error}") from error
-                outage.failed(cause)
-                if self._stop.wait(2.0):
-                    return False
-                continue
-            outage.answered()
-            return True
+            )
+            if pulled:
+                return True
+            if time.monotonic() > deadline:
+                raise NodeError(f"could not pull base {revision} within the round's timeout")
+            if self._stop.wait(2.0):
+                return False
 
     def _training_dir(self, base_id: str, number: int) -> Path:
         return self.config.work_dir / "training" / f"round-{number}-{base_id[:16]}"
@@ -477,15 +478,10 @@ class NodeDaemon:
                 self.host.publish(message)
                 log.info("announced delta %s", signed.manifest_id[:12])
                 next_announce = time.monotonic() + 10.0
-            try:
-                record = self.client.delta(signed.manifest_id)
-            except httpx.HTTPError as error:
-                if not outage.covers(error):
-                    raise
-                outage.failed(error)
+            answered, record = outage.ask(lambda: self.client.delta(signed.manifest_id))
+            if not answered:
                 self._stop.wait(1.0)
                 continue
-            outage.answered()
             if record is not None and record.get("rejection_kind") == "fetch":
                 # The coordinator could not download the blobs (a dropped link, say): it takes
                 # the next announcement again, so keep announcing and serving.
@@ -508,15 +504,10 @@ class NodeDaemon:
         deadline = time.monotonic() + self.config.round_timeout_s
         outage = _Outage(self.client.url)
         while time.monotonic() < deadline and not self._stop.is_set():
-            try:
-                info = self.client.info()
-            except httpx.HTTPError as error:
-                if not outage.covers(error):
-                    raise
-                outage.failed(error)
+            answered, info = outage.ask(self.client.info)
+            if not answered or info is None:  # info is a dict whenever it answered
                 self._stop.wait(2.0)
                 continue
-            outage.answered()
             if info["base_id"] != base_id:
                 log.info(
                     "merged checkpoint %s published (round %d)",

@@ -48,19 +48,18 @@ class TensorEntry(BaseModel):
     def _length_fits_the_tensor(self) -> TensorEntry:
         """The payload's length is what the encoding takes for this shape and dtype (at most
         the dense size), so that no entry makes a reader fetch or read more than its tensor."""
-        dense = math.prod(self.shape) * ELEMENT_BYTES[self.dtype]
+        numel = math.prod(self.shape)
+        dense = numel * ELEMENT_BYTES[self.dtype]
         if self.encoding == "dense" and self.length != dense:
             raise ValueError(
                 f"a dense entry of shape {self.shape} is {dense} bytes, not {self.length}"
             )
         if self.encoding == "int8" and (
-            self.length != math.prod(self.shape)
-            or self.scale is None
-            or not math.isfinite(self.scale)
+            self.length != numel or self.scale is None or not math.isfinite(self.scale)
         ):
             raise ValueError("an int8 entry takes one byte per element and a finite scale")
         if self.encoding == "sparse" and not (
-            0 < self.nnz <= math.prod(self.shape) and 0 < self.index_bytes < self.length <= dense
+            0 < self.nnz <= numel and 0 < self.index_bytes < self.length <= dense
         ):
             raise ValueError(
                 f"a sparse entry of {self.nnz} changes in {self.length} bytes does not fit "
