@@ -5,7 +5,7 @@ protocol (fetch_blob: disk writes and the final sha256 check included), a bare p
 with stock Noise + Yamux, Python's `ssl` over TCP (a self-signed certificate made on the fly) and
 plain TCP. Rounds run every transport once, so a busy machine slows all of them alike. Prints the
 median MiB/s, the CPU time per MiB (client + server processes), and the ratios to TLS.
-Run: `python bench/bench_transport.py [--mib 64] [--rounds 3] [--only blob,raw,tls,tcp]
+Run: `python bench/bench_transport.py [--mib 64] [--rounds 5] [--only blob,raw,tls,tcp]
 [--dir DIR]`.
 """
 
@@ -319,7 +319,7 @@ def _stop_server(server: multiprocessing.Process) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=64, help="MiB moved per transfer")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every transport")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; each runs every transport")
     parser.add_argument(
         "--only", default=",".join(TRANSPORTS), help=f"a subset of {','.join(TRANSPORTS)}"
     )
@@ -371,7 +371,8 @@ def main() -> None:
                     for other, tls in zip(results[name], results["tls"], strict=True)
                 ]
                 label = f"ratio {name} / TLS in MiB/s (target >= 0.4)"
-                print(f"{label:50} {statistics.median(ratios):8.2f}")
+                spread = f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
+                print(f"{label:50} {statistics.median(ratios):8.2f}  {spread}")
 
 
 if __name__ == "__main__":
