@@ -36,6 +36,8 @@ _T = TypeVar("_T")
 # How long a node waits for a first connection to the swarm (the coordinator's libp2p peer or a
 # bootstrap peer) after it starts.
 CONNECT_TIMEOUT_S = 60.0
+# How long a node waits for the coordinator's API to answer when it starts.
+STARTUP_TIMEOUT_S = 120.0
 
 
 class NodeError(RuntimeError):
@@ -71,16 +73,6 @@ class CoordinatorClient:
             return None
         response.raise_for_status()
         return response.json()
-
-    def wait_ready(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return self.info()
-            except httpx.HTTPError as exc:
-                if time.monotonic() > deadline:
-                    raise NodeError(f"coordinator at {self.url} unreachable: {exc}") from exc
-                time.sleep(1.0)
 
     def close(self) -> None:
         self._http.close()
@@ -148,7 +140,9 @@ class NodeDaemon:
         import torch
 
         torch.set_num_threads(self.config.torch_threads)
-        info = self.client.wait_ready(timeout=120)
+        answered, info = self._ask_while_away(self.client.info, "reach it", STARTUP_TIMEOUT_S)
+        if not answered or info is None:  # stopped before the coordinator answered
+            return []
         self.host = SwarmHost(
             self.key_pair,
             self.blobs,
@@ -173,7 +167,10 @@ class NodeDaemon:
             while not self._stop.is_set() and (
                 self.config.rounds == 0 or done < self.config.rounds
             ):
-                result = self.run_round(self.client.wait_ready(self.config.round_timeout_s))
+                answered, info = self._ask_while_away(
+                    self.client.info, "learn the next round", self.config.round_timeout_s
+                )
+                result = self.run_round(info) if answered and info is not None else None
                 if result is None:  # stopped mid-round; the next start resumes it
                     break
                 results.append(result)
@@ -267,24 +264,37 @@ class NodeDaemon:
             metrics,
         )
 
+    def _ask_while_away(
+        self, request: Callable[[], _T], what: str, timeout: float
+    ) -> tuple[bool, _T | None]:
+        """(True, what `request` returned), asked again every 2 s while the coordinator is away
+        (see _Outage), for up to `timeout` s; (False, None) when the daemon is stopped first."""
+        deadline = time.monotonic() + timeout
+        outage = _Outage(self.client.url)
+        while not self._stop.is_set():
+            answered, value = outage.ask(request)
+            if answered:
+                return True, value
+            if time.monotonic() > deadline:
+                raise NodeError(
+                    f"could not {what}: the coordinator at {self.client.url} did not answer "
+                    f"within {timeout:.0f} s"
+                )
+            self._stop.wait(2.0)
+        return False, None
+
     def _pull_base(self, revision: str, base_dir: Path, repo_id: str) -> bool:
         """Pull the round's base from the registry, resuming across a coordinator that stops
         answering meanwhile (a pull keeps what it has and goes on from there); False when the
         daemon is stopped first."""
-        deadline = time.monotonic() + self.config.round_timeout_s
-        outage = _Outage(self.client.url)
-        while True:
-            pulled, _ = outage.ask(
-                lambda: pull(
-                    self.config.coordinator_url, revision, base_dir, repo_id=repo_id, progress=False
-                )
-            )
-            if pulled:
-                return True
-            if time.monotonic() > deadline:
-                raise NodeError(f"could not pull base {revision} within the round's timeout")
-            if self._stop.wait(2.0):
-                return False
+        pulled, _ = self._ask_while_away(
+            lambda: pull(
+                self.config.coordinator_url, revision, base_dir, repo_id=repo_id, progress=False
+            ),
+            f"pull base {revision}",
+            self.config.round_timeout_s,
+        )
+        return pulled
 
     def _training_dir(self, base_id: str, number: int) -> Path:
         return self.config.work_dir / "training" / f"round-{number}-{base_id[:16]}"

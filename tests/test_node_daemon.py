@@ -4,7 +4,9 @@ endpoint, and a SIGTERM mid-round after which a restart resumes and the round co
 
 from __future__ import annotations
 
+import http.server
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -147,3 +149,44 @@ def test_sigterm_mid_round_then_restart_resumes_and_completes(tmp_path: Path, ti
 
 
 pytestmark = pytest.mark.timeout(900)
+
+
+def test_a_daemon_waiting_for_an_absent_coordinator_stops_when_told(tmp_path: Path) -> None:
+    from node.daemon import NodeDaemon
+
+    port = free_port()  # nothing listens there: the coordinator is away
+    daemon = NodeDaemon(NodeConfig(work_dir=tmp_path, coordinator_url=f"http://127.0.0.1:{port}"))
+    stopper = threading.Timer(1.0, daemon.stop)
+    stopper.start()
+    started = time.monotonic()
+    try:
+        assert daemon.run() == []
+    finally:
+        stopper.cancel()
+    assert time.monotonic() - started < 10  # not the 120 s it would wait for the coordinator
+    assert daemon.host is None  # nothing was started
+
+
+def test_a_daemon_pointed_at_something_that_is_not_a_coordinator_fails_at_once(
+    tmp_path: Path,
+) -> None:
+    from node.daemon import NodeDaemon
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the handler's API)
+            self.send_error(404)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    started = time.monotonic()
+    try:
+        with pytest.raises(httpx.HTTPStatusError, match="404"):
+            NodeDaemon(NodeConfig(work_dir=tmp_path, coordinator_url=url)).run()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert time.monotonic() - started < 10  # a refusal is not waited out as an outage
