@@ -53,10 +53,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from node.envs import get_environment
-    from node.evaluate import evaluate_checkpoint
-    from node.model import create_base_checkpoint, load_policy
-    from node.pipeline import AsyncRLRun, RLConfig
+    from skillswarm.agent.envs import get_environment
+    from skillswarm.agent.evaluate import evaluate_checkpoint
+    from skillswarm.agent.model import load_policy
+    from skillswarm.node.bootstrap import create_base_checkpoint
+    from skillswarm.node.pipeline import AsyncRLRun, RLConfig
 
     base = args.base
     if base is None:

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-
-from node.config import NodeConfig
+from skillswarm.node.config import NodeConfig
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIGS = [
@@ -49,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from protocol.tomlconfig import ConfigFileError, load_toml_config
+    from skillswarm.protocol.tomlconfig import ConfigFileError, load_toml_config
 
     rounds = []
     for path in args.config:
@@ -62,12 +61,13 @@ def main() -> None:
     for lr in args.lr:
         rounds.append((f"{first_name}, lr {lr:.0e}", _with_learning_rate(first, lr)))
 
-    from merge.streaming import iter_base_tensors
-    from node.envs import get_environment
-    from node.model import create_base_checkpoint, load_policy
-    from node.pipeline import AsyncRLRun
-    from protocol.blobstore import BlobStore
-    from protocol.delta import DeltaReader, pack_delta
+    from skillswarm.agent.envs import get_environment
+    from skillswarm.agent.model import load_policy
+    from skillswarm.merge.streaming import iter_base_tensors
+    from skillswarm.node.bootstrap import create_base_checkpoint
+    from skillswarm.node.pipeline import AsyncRLRun
+    from skillswarm.protocol.blobstore import BlobStore
+    from skillswarm.protocol.delta import DeltaReader, pack_delta
 
     work = Path(tempfile.mkdtemp(prefix="bench-delta-"))
     fp32 = create_base_checkpoint(work / "base32", warm_start_steps=args.warm_start_steps)

@@ -26,22 +26,19 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from node.envs import get_environment, list_environments
-from node.evaluate import EvalResult, evaluate_checkpoint
-from node.loss import LossConfig
-from node.model import (
+from skillswarm.agent.envs import get_environment, list_environments
+from skillswarm.agent.evaluate import EvalResult, evaluate_checkpoint
+from skillswarm.agent.model import build_threads, load_policy, set_torch_threads
+from skillswarm.node.bootstrap import (
     DEFAULT_DOMAIN_WEIGHTS,
     MULTI_DOMAIN_COPY_STEPS,
     MULTI_DOMAIN_WARM_START_STEPS,
-    build_threads,
     create_base_checkpoint,
-    load_policy,
-    set_torch_threads,
 )
-from node.pipeline import AsyncRLRun, RLConfig
-from node.recipes import recipe_for
+from skillswarm.node.loss import LossConfig
+from skillswarm.node.pipeline import AsyncRLRun, RLConfig
+from skillswarm.node.recipes import recipe_for
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # Upper bound on the steps of a budgeted run; the wall-clock budget ends it long before.
 MAX_BUDGETED_STEPS = 1_000_000

@@ -63,9 +63,8 @@ def _measure(mode: str, work: Path, method: str, experts: int) -> None:
     """Child process: one merge, then print its peak RSS as JSON on the last line."""
     torch.set_num_threads(1)
     from mergekit.merge_methods import get
-
-    from merge.methods import MergeSpec
-    from merge.streaming import CheckpointTensors, TaskVector, merge_checkpoint
+    from skillswarm.merge.methods import MergeSpec
+    from skillswarm.merge.streaming import CheckpointTensors, TaskVector, merge_checkpoint
 
     names = [f"expert{i}" for i in range(1, experts + 1)]
     accepted = {p.name for p in get(method).spec.parameters}
@@ -105,7 +104,7 @@ def _measure(mode: str, work: Path, method: str, experts: int) -> None:
 
 
 def _same_outputs(work: Path) -> bool:
-    from merge.streaming import CheckpointTensors
+    from skillswarm.merge.streaming import CheckpointTensors
 
     ours = CheckpointTensors(work / "out-streaming")
     theirs = CheckpointTensors(work / "out-in-memory")

@@ -29,10 +29,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from node.envs import get_environment
-    from node.inference import HFBackend
-    from node.model import create_base_checkpoint, load_policy
-    from node.rollout import RolloutEngine
+    from skillswarm.agent.envs import get_environment
+    from skillswarm.agent.inference import HFBackend
+    from skillswarm.agent.model import load_policy
+    from skillswarm.agent.rollout import RolloutEngine
+    from skillswarm.node.bootstrap import create_base_checkpoint
 
     base = args.base
     if base is None:

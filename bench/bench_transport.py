@@ -56,9 +56,9 @@ class Transfer:
 
 def serve_blob_with_swarm_host(control: Connection, size: int, root: str) -> None:
     """Server process: a SwarmHost serving one random blob until told to stop."""
-    from protocol.blobstore import BlobStore
-    from protocol.host import SwarmHost, freeze_startup_heap
-    from protocol.identity import load_or_create_identity
+    from skillswarm.protocol.blobstore import BlobStore
+    from skillswarm.protocol.host import SwarmHost, freeze_startup_heap
+    from skillswarm.protocol.identity import load_or_create_identity
 
     freeze_startup_heap()  # as `skillswarm node run` and `coordinator serve` do
     store = BlobStore(Path(root) / "server-blobs")
@@ -72,10 +72,10 @@ def serve_blob_with_swarm_host(control: Connection, size: int, root: str) -> Non
 
 
 def transfer_blob(size: int, root: Path) -> Transfer:
-    from merge.checkpoint import sha256_of_file
-    from protocol.blobstore import BlobStore
-    from protocol.host import SwarmHost, freeze_startup_heap
-    from protocol.identity import load_or_create_identity
+    from skillswarm.merge.checkpoint import sha256_of_file
+    from skillswarm.protocol.blobstore import BlobStore
+    from skillswarm.protocol.host import SwarmHost, freeze_startup_heap
+    from skillswarm.protocol.identity import load_or_create_identity
 
     freeze_startup_heap()  # in both processes: a full collection stalls the host's event loop
     control, server = _start_server(serve_blob_with_swarm_host, size, str(root))

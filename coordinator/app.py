@@ -17,16 +17,15 @@ from typing import Any
 import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from pydantic import BaseModel, Field
+from skillswarm.coordinator.config import CoordinatorConfig, MergePlan
+from skillswarm.coordinator.dashboard import dashboard_router
+from skillswarm.coordinator.hub_api import hub_router
+from skillswarm.coordinator.operator_api import CheckpointOut, RoundOut, operator_router
+from skillswarm.coordinator.prometheus import instrument_app
+from skillswarm.coordinator.service import Coordinator
+from skillswarm.coordinator.store import DeltaRecord, RoundRecord
+from skillswarm.protocol.host import freeze_startup_heap
 from sqlalchemy import select
-
-from coordinator.config import CoordinatorConfig, MergePlan
-from coordinator.dashboard import dashboard_router
-from coordinator.hub_api import hub_router
-from coordinator.operator_api import CheckpointOut, RoundOut, operator_router
-from coordinator.prometheus import instrument_app
-from coordinator.service import Coordinator
-from coordinator.store import DeltaRecord, RoundRecord
-from protocol.host import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +191,9 @@ def serve(config: CoordinatorConfig) -> None:
 
     torch.set_num_threads(config.torch_threads)
     freeze_startup_heap()
-    app = create_app(Coordinator(config))
+    coordinator = Coordinator(config)
+    coordinator.prepare()  # a missing base fails here, before the server starts
+    app = create_app(coordinator)
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.http_host, port=config.http_port, log_level="info")
     )

@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from merge.methods import MergeSpec
+from skillswarm.merge.methods import MergeSpec
 
 
 class RoundPolicy(BaseModel):
@@ -145,7 +144,10 @@ class CoordinatorConfig(BaseModel):
     database_url: str | None = Field(default=None, description="default: SQLite in work_dir")
     base_checkpoint: Path | None = Field(
         default=None,
-        description="Hugging Face folder published as round 0; default: build the embedded model",
+        description=(
+            "Hugging Face folder published as round 0 (required while the registry is empty; "
+            "`skillswarm bootstrap` builds the embedded one)"
+        ),
     )
     allowed_peers: list[str] = Field(
         default_factory=list, description="PeerIDs whose deltas are accepted; empty: anyone"

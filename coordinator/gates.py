@@ -11,12 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from coordinator.config import GateConfig
-from merge.checkpoint import MANIFEST_FILE_NAME
-from merge.streaming import CheckpointTensors, SafetensorsStreamWriter
-from protocol.delta import DTYPE_NAMES, DeltaReader
-from protocol.manifest import DeltaManifest
+from skillswarm.coordinator.config import GateConfig
+from skillswarm.merge.checkpoint import MANIFEST_FILE_NAME
+from skillswarm.merge.streaming import CheckpointTensors, SafetensorsStreamWriter
+from skillswarm.protocol.delta import DTYPE_NAMES, DeltaReader
+from skillswarm.protocol.manifest import DeltaManifest
 
 REJECTION_KINDS = (
     "signature",  # manifest unreadable, or not signed by the peer that announced it

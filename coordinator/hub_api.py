@@ -19,8 +19,7 @@ from urllib.parse import unquote
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
-
-from coordinator.registry import (
+from skillswarm.coordinator.registry import (
     CheckpointInfo,
     EntryNotFound,
     Registry,

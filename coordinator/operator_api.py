@@ -13,11 +13,10 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from skillswarm.coordinator.config import MergePlan
+from skillswarm.coordinator.service import Coordinator
+from skillswarm.merge.methods import MergeSpec
 from starlette.concurrency import run_in_threadpool
-
-from coordinator.config import MergePlan
-from coordinator.service import Coordinator
-from merge.methods import MergeSpec
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from merge.checkpoint import (
+from skillswarm.merge.checkpoint import (
     CHECKPOINT_ID_PATTERN,
     HASH_CHUNK_BYTES,
     MANIFEST_FILE_NAME,
@@ -32,7 +31,7 @@ from merge.checkpoint import (
     read_manifest,
     write_manifest,
 )
-from protocol.durable import fsync_directory, write_bytes_atomically
+from skillswarm.protocol.durable import fsync_directory, write_bytes_atomically
 
 DEFAULT_REPO_ID = "skillswarm/agent"
 MAIN_REF = "main"

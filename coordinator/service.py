@@ -20,11 +20,8 @@ from typing import Any
 import msgpack
 import torch
 from pydantic import ValidationError
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
-
-from coordinator.config import CoordinatorConfig, MergePlan
-from coordinator.gates import (
+from skillswarm.coordinator.config import CoordinatorConfig, MergePlan
+from skillswarm.coordinator.gates import (
     REJECTION_KINDS,
     DeltaRejected,
     check_domain_scores,
@@ -32,8 +29,8 @@ from coordinator.gates import (
     check_values,
     write_expert_checkpoint,
 )
-from coordinator.registry import CheckpointInfo, Registry, RevisionNotFound
-from coordinator.store import (
+from skillswarm.coordinator.registry import CheckpointInfo, Registry, RevisionNotFound
+from skillswarm.coordinator.store import (
     CheckpointRecord,
     CoordinatorStore,
     DeltaRecord,
@@ -44,14 +41,18 @@ from coordinator.store import (
     as_utc,
     utcnow,
 )
-from merge.methods import MergeSpec
-from merge.streaming import CheckpointTensors, MergeError, TaskVector, merge_checkpoint
-from protocol.blobstore import BlobStore, BlobStoreError
-from protocol.delta import DeltaError, DeltaReader
-from protocol.host import BlobFetchError, SwarmHost
-from protocol.identity import IdentityError, load_or_create_identity, public_key_bytes_from_peer_id
-from protocol.manifest import DeltaManifest, ManifestError, SignedManifest
-from protocol.messages import (
+from skillswarm.merge.methods import MergeSpec
+from skillswarm.merge.streaming import CheckpointTensors, MergeError, TaskVector, merge_checkpoint
+from skillswarm.protocol.blobstore import BlobStore, BlobStoreError
+from skillswarm.protocol.delta import DeltaError, DeltaReader
+from skillswarm.protocol.host import BlobFetchError, SwarmHost
+from skillswarm.protocol.identity import (
+    IdentityError,
+    load_or_create_identity,
+    public_key_bytes_from_peer_id,
+)
+from skillswarm.protocol.manifest import DeltaManifest, ManifestError, SignedManifest
+from skillswarm.protocol.messages import (
     CheckpointPublished,
     DeltaAnnounced,
     MessageError,
@@ -60,6 +61,8 @@ from protocol.messages import (
     decode_message,
     encode_message,
 )
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 __all__ = ["Coordinator", "DeltaRejected", "expert_label", "record_id"]
 
@@ -84,6 +87,10 @@ POLICY_CHECK_INTERVAL_S = 0.5
 # Work folders made under work_dir while merging or gating; what a crash leaves is removed at start.
 WORK_FOLDER_PREFIXES = ("merge-", "gate-")
 ACCEPTED_STATUSES = ("accepted", "merged")
+
+
+class MissingBaseCheckpoint(RuntimeError):
+    """The registry is empty and the configuration names no usable round-0 checkpoint."""
 
 
 class Coordinator:
@@ -205,13 +212,13 @@ class Coordinator:
         if self.registry.list():
             return
         source = self.config.base_checkpoint
-        if source is None:
-            from node.model import create_base_checkpoint
-
-            source = self.config.work_dir / "embedded-base"
-            if not (source / "config.json").exists():
-                log.info("building the embedded base model in %s", source)
-                create_base_checkpoint(source)
+        if source is None or not (Path(source) / "config.json").is_file():
+            where = "is not set" if source is None else f"({source}) has no config.json"
+            raise MissingBaseCheckpoint(
+                f"the coordinator has no round-0 checkpoint: base_checkpoint {where}. Point it at "
+                "a Hugging Face model folder, or build the embedded one with "
+                "`skillswarm bootstrap --out DIR` and set base_checkpoint = DIR"
+            )
         info = self.registry.publish(Path(source), round=0, parent=None, method=None)
         with self.store.session() as s:
             s.merge(CheckpointRecord(id=info.id, revision=info.revision, round=0, parent=None))
@@ -522,7 +529,7 @@ class Coordinator:
     def _evaluation_gate(self, manifest: DeltaManifest, reader: DeltaReader) -> dict[str, Any]:
         """Score base + Δ alone on the gate's domains (and its own, if known) on the validation
         tasks; refuse it if another domain falls below the configured bound."""
-        from node.envs import list_environments
+        from skillswarm.agent.envs import list_environments
 
         gates, seed = self.config.gates, self.config.eval.validation_tasks_seed()
         domains = list(self.config.gate_domains)
@@ -805,8 +812,8 @@ class Coordinator:
     ) -> dict[str, dict[str, Any]]:
         """{domain: {mean_reward, success_rate, n}} of one checkpoint, loaded once; results of a
         published checkpoint (`cache_as` its id) are kept for the next asks."""
-        from node.evaluate import evaluate_checkpoint
-        from node.model import load_policy
+        from skillswarm.agent.evaluate import evaluate_checkpoint
+        from skillswarm.agent.model import load_policy
 
         scores: dict[str, dict[str, Any]] = {}
         policy = None

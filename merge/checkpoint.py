@@ -17,8 +17,7 @@ from typing import Any, Literal
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from protocol.durable import write_bytes_atomically
+from skillswarm.protocol.durable import write_bytes_atomically
 
 MANIFEST_FILE_NAME = "skillswarm_manifest.msgpack"
 MANIFEST_SCHEMA = "skillswarm.checkpoint/1"

@@ -346,7 +346,7 @@ def _expert_name_map(
 
 
 def _base_float_dtype(base_path: Path) -> str:
-    from merge.streaming import CheckpointTensors
+    from skillswarm.merge.streaming import CheckpointTensors
 
     found = {
         str(dtype).removeprefix("torch.")

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from merge.checkpoint import MANIFEST_FILE_NAME
-from merge.methods import MergeSpec
+from skillswarm.merge.checkpoint import MANIFEST_FILE_NAME
+from skillswarm.merge.methods import MergeSpec
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024

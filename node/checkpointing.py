@@ -22,8 +22,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_model
-
-from protocol.durable import fsync_directory, write_bytes_atomically
+from skillswarm.protocol.durable import fsync_directory, write_bytes_atomically
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -265,7 +264,7 @@ def _save_weights(
     else:
         save_model(model, str(folder / SINGLE_WEIGHTS_FILE))
     if tokenizer is not None:
-        from node.model import save_tokenizer  # loads transformers, which a tokenizer has loaded
+        from skillswarm.agent.model import save_tokenizer
 
         save_tokenizer(tokenizer, folder)
 

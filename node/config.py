@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from node.pipeline import RLConfig
+from skillswarm.node.pipeline import RLConfig
 
 
 class InferenceConfig(BaseModel):

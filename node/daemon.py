@@ -18,17 +18,21 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-
-from merge.streaming import iter_base_tensors
-from node.config import NodeConfig
-from node.health import HealthServer, NodeStatus
-from protocol.blobstore import BlobStore
-from protocol.delta import pack_delta
-from protocol.host import SwarmHost, freeze_startup_heap
-from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
-from protocol.manifest import SignedManifest, sign_manifest
-from protocol.messages import DeltaAnnounced, NodeHeartbeat, decode_message, encode_message
-from protocol.pull import PullError, pull
+from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.node.config import NodeConfig
+from skillswarm.node.health import HealthServer, NodeStatus
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.delta import pack_delta
+from skillswarm.protocol.host import SwarmHost, freeze_startup_heap
+from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
+from skillswarm.protocol.manifest import SignedManifest, sign_manifest
+from skillswarm.protocol.messages import (
+    DeltaAnnounced,
+    NodeHeartbeat,
+    decode_message,
+    encode_message,
+)
+from skillswarm.protocol.pull import PullError, pull
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -304,9 +308,9 @@ class NodeDaemon:
     ) -> tuple[SignedManifest, dict[str, float]] | None:
         """RL on the base (resuming this round's checkpoint if there is one), then the signed
         delta; None when stopped before the last step."""
-        from node.envs import get_environment
-        from node.model import load_policy
-        from node.pipeline import AsyncRLRun
+        from skillswarm.agent.envs import get_environment
+        from skillswarm.agent.model import load_policy
+        from skillswarm.node.pipeline import AsyncRLRun
 
         model, tokenizer = load_policy(base_dir)
         env = get_environment(self.config.domain)
@@ -426,11 +430,11 @@ class NodeDaemon:
         if settings.backend == "hf":
             import copy
 
-            from node.inference import HFBackend
+            from skillswarm.agent.inference import HFBackend
 
             behaviour = model if self.config.train.max_staleness == 0 else copy.deepcopy(model)
             return HFBackend(behaviour.eval(), tokenizer, max_batch_size=settings.max_batch_size)
-        from node.inference_vllm import VLLMBackend
+        from skillswarm.agent.inference_vllm import VLLMBackend
 
         return VLLMBackend(
             base_dir,

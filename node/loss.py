@@ -14,7 +14,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from node.rollout import ConversationTokens, Episode
+    from skillswarm.agent.rollout import ConversationTokens, Episode
 
 # Log importance ratios are clamped to ±LOG_RATIO_BOUND before exponentiating, so a very stale
 # token cannot overflow to inf (and turn a zero gradient into NaN); beyond it, it has no gradient.

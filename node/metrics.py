@@ -25,8 +25,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-
-from protocol.durable import write_bytes_atomically
+from skillswarm.protocol.durable import write_bytes_atomically
 
 MetricRecord = dict[str, Any]
 RunRecords = Sequence[MetricRecord] | str | os.PathLike[str]

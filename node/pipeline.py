@@ -26,23 +26,26 @@ from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from node.checkpointing import TrainingState, load_training_checkpoint, save_training_checkpoint
-from node.envs.base import Environment
-from node.inference import HFBackend, InferenceBackend
-from node.loss import LossConfig
-from node.metrics import MetricsLogger, StalenessHistogram, read_metrics
-from node.model import set_torch_threads
-from node.rollout import (
+from skillswarm.agent.envs.base import Environment
+from skillswarm.agent.inference import HFBackend, InferenceBackend
+from skillswarm.agent.model import set_torch_threads
+from skillswarm.agent.rollout import (
     DEFAULT_MAX_NEW_TOKENS,
     ContextPolicy,
     Episode,
     RolloutEngine,
     summarize_episodes,
 )
-from node.train import PolicyGradientTrainer
-from protocol.durable import write_bytes_atomically
+from skillswarm.node.checkpointing import (
+    TrainingState,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
+from skillswarm.node.loss import LossConfig
+from skillswarm.node.metrics import MetricsLogger, StalenessHistogram, read_metrics
+from skillswarm.node.train import PolicyGradientTrainer
+from skillswarm.protocol.durable import write_bytes_atomically
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from skillswarm.node.train import right_padded, token_logprobs
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from node.train import right_padded, token_logprobs
 
 COPY_MIN_WORDS = 4
 COPY_MAX_WORDS = 16

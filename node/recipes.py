@@ -5,8 +5,8 @@ Each recipe's comment records what it was measured to do (2 shared cores, one to
 
 from __future__ import annotations
 
-from node.loss import LossConfig
-from node.pipeline import RLConfig
+from skillswarm.node.loss import LossConfig
+from skillswarm.node.pipeline import RLConfig
 
 
 class NoRecipeError(KeyError):

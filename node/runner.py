@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from node.envs import get_environment
-from node.evaluate import EvalResult, evaluate_checkpoint
-from node.metrics import ProgressReporter, plot_reward_curves, read_metrics
-from node.model import load_policy, save_tokenizer, set_torch_threads
-from node.pipeline import AsyncRLRun, RLConfig
-from protocol.durable import write_bytes_atomically
+from skillswarm.agent.envs import get_environment
+from skillswarm.agent.evaluate import EvalResult, evaluate_checkpoint
+from skillswarm.agent.model import load_policy, save_tokenizer, set_torch_threads
+from skillswarm.node.metrics import ProgressReporter, plot_reward_curves, read_metrics
+from skillswarm.node.pipeline import AsyncRLRun, RLConfig
+from skillswarm.protocol.durable import write_bytes_atomically
 
 logger = logging.getLogger(__name__)
 

@@ -10,22 +10,17 @@ import random
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
-
-from node.envs.base import Environment
-from node.inference import cache_keyword_for, common_prefix_length
-from node.loss import (
+from skillswarm.agent.envs.base import Environment
+from skillswarm.agent.inference import cache_keyword_for, common_prefix_length
+from skillswarm.agent.rollout import ConversationTokens, Episode, tokenize_demonstration
+from skillswarm.node.loss import (
     LOSS_METRICS,
     LossConfig,
     combine_loss_metrics,
     episode_token_advantages,
     policy_loss,
 )
-from node.rollout import (
-    ConversationTokens,
-    Episode,
-    tokenize_demonstration,
-)
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 StepCallback = Callable[[dict[str, float]], None]
 

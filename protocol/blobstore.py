@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from protocol.durable import fsync_directory
+from skillswarm.protocol.durable import fsync_directory
 
 __all__ = [
     "BlobCorrupted",

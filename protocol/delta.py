@@ -18,9 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from protocol.blobstore import BlobStore
-from protocol.manifest import DeltaManifest, TensorEntry
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.manifest import DeltaManifest, TensorEntry
 
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}

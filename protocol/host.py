@@ -72,16 +72,15 @@ from libp2p.utils import encode_delim
 from noise.backends.default.ciphers import ChaCha20Cipher
 from noise.constants import MAX_NONCE as NOISE_MAX_NONCE
 from noise.exceptions import NoiseMaxNonceError
-
-from protocol.blobstore import (
+from skillswarm.protocol.blobstore import (
     BlobCorrupted,
     BlobNotFound,
     BlobStore,
     InvalidBlobId,
     validate_blob_id,
 )
-from protocol.directio import AlignedBufferPool, AppendFile, open_for_append
-from protocol.identity import peer_id_of
+from skillswarm.protocol.directio import AlignedBufferPool, AppendFile, open_for_append
+from skillswarm.protocol.identity import peer_id_of
 
 __all__ = [
     "BLOB_PROTOCOL_ID",

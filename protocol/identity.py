@@ -16,8 +16,7 @@ from libp2p.crypto.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from libp2p.crypto.ed25519 import create_new_key_pair as create_ed25519_key_pair
 from libp2p.crypto.keys import KeyPair, KeyType, PrivateKey, PublicKey
 from libp2p.peer.id import ID
-
-from protocol.durable import fsync_directory
+from skillswarm.protocol.durable import fsync_directory
 
 __all__ = [
     "IdentityError",

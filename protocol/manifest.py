@@ -14,8 +14,7 @@ from typing import Annotated, Literal
 import msgpack
 from libp2p.crypto.keys import KeyPair
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from protocol import identity
+from skillswarm.protocol import identity
 
 MANIFEST_SCHEMA = "skillswarm.delta/1"
 MAX_MANIFEST_BYTES = 512 * 1024

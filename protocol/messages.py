@@ -10,8 +10,7 @@ from typing import Literal
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from protocol.manifest import MAX_MANIFEST_BYTES, SignedManifest
+from skillswarm.protocol.manifest import MAX_MANIFEST_BYTES, SignedManifest
 
 MESSAGE_VERSION = 1
 MAX_GOSSIP_BYTES = 1 << 20

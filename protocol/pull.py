@@ -23,8 +23,7 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
-
-from merge.checkpoint import (
+from skillswarm.merge.checkpoint import (
     CHECKPOINT_ID_PATTERN,
     HASH_CHUNK_BYTES,
     MANIFEST_FILE_NAME,
@@ -37,7 +36,7 @@ from merge.checkpoint import (
     validate_relative_path,
     write_manifest,
 )
-from protocol.durable import fsync_directory
+from skillswarm.protocol.durable import fsync_directory
 
 DEFAULT_REPO_ID = "skillswarm/agent"
 PARTIAL_DIR_NAME = ".partial"

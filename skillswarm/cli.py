@@ -60,9 +60,9 @@ def version() -> None:
 @node_app.command("run")
 def node_run(config: ConfigOption = None, verbose: bool = False) -> None:
     """Train on one domain, publish deltas, rebase on merged checkpoints."""
-    from node.config import NodeConfig
-    from node.daemon import NodeError, run_node
-    from protocol.tomlconfig import ConfigFileError, load_toml_config
+    from skillswarm.node.config import NodeConfig
+    from skillswarm.node.daemon import NodeError, run_node
+    from skillswarm.protocol.tomlconfig import ConfigFileError, load_toml_config
 
     _logging(verbose)
     try:
@@ -81,17 +81,17 @@ def node_run(config: ConfigOption = None, verbose: bool = False) -> None:
 @coordinator_app.command("serve")
 def coordinator_serve(config: ConfigOption = None, verbose: bool = False) -> None:
     """Serve the coordinator: delta intake over libp2p, merges, registry and API over HTTP."""
-    from coordinator.app import serve
-    from coordinator.config import CoordinatorConfig
-    from protocol.tomlconfig import ConfigFileError, load_toml_config
+    from skillswarm.coordinator.app import serve
+    from skillswarm.coordinator.config import CoordinatorConfig
+    from skillswarm.coordinator.service import MissingBaseCheckpoint
+    from skillswarm.protocol.tomlconfig import ConfigFileError, load_toml_config
 
     _logging(verbose)
     try:
         cfg = load_toml_config(config, CoordinatorConfig) if config else CoordinatorConfig()
-    except ConfigFileError as exc:
+        serve(cfg)
+    except (ConfigFileError, MissingBaseCheckpoint) as exc:
         _fail(exc)
-        return
-    serve(cfg)
 
 
 @app.command("pull")
@@ -102,7 +102,7 @@ def pull_command(
     repo_id: str = "skillswarm/agent",
 ) -> None:
     """Download a checkpoint, verifying every file's sha256 and the checkpoint id."""
-    from protocol.pull import pull
+    from skillswarm.protocol.pull import pull
 
     try:
         path = pull(url, revision, out, repo_id=repo_id, progress=True)
@@ -137,9 +137,9 @@ def env_try(
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
 ) -> None:
     """Play N episodes of DOMAIN with a model (or the solver) and show them turn by turn."""
-    from node.envs import UnknownEnvironmentError
-    from node.envs.base import InvalidSplitError
-    from node.model import CheckpointLoadError
+    from skillswarm.agent.envs import UnknownEnvironmentError
+    from skillswarm.agent.envs.base import InvalidSplitError
+    from skillswarm.agent.model import CheckpointLoadError
     from skillswarm.envview import play_for_viewing, print_episode, summary_table
 
     if solver and model is not None:
@@ -217,16 +217,16 @@ def bootstrap(
 ) -> None:
     """Build the embedded base: tiny model and tokenizer, copy-pretrained, then warm-started on
     solver demonstrations."""
-    from node.envs import UnknownEnvironmentError
-    from node.evaluate import evaluate_checkpoint
-    from node.model import (
+    from skillswarm.agent.envs import UnknownEnvironmentError
+    from skillswarm.agent.evaluate import evaluate_checkpoint
+    from skillswarm.agent.model import build_threads
+    from skillswarm.node.bootstrap import (
         DEFAULT_DOMAIN_WEIGHTS,
         MULTI_DOMAIN_COPY_STEPS,
         MULTI_DOMAIN_WARM_START_STEPS,
-        build_threads,
         create_base_checkpoint,
     )
-    from node.pretrain import COPY_TARGET_ACCURACY
+    from skillswarm.node.pretrain import COPY_TARGET_ACCURACY
 
     chosen = [domain.strip() for domain in domains.split(",") if domain.strip()]
     if weights is None:
@@ -304,12 +304,12 @@ def train(
     verbose: bool = False,
 ) -> None:
     """RL on one domain with the asynchronous trainer; resumable, with metrics and curves."""
-    from node.envs import UnknownEnvironmentError
-    from node.model import CheckpointLoadError
-    from node.pipeline import RLConfig
-    from node.recipes import DOMAIN_RECIPES
-    from node.runner import run_training
-    from protocol.tomlconfig import ConfigFileError, load_toml_config
+    from skillswarm.agent.envs import UnknownEnvironmentError
+    from skillswarm.agent.model import CheckpointLoadError
+    from skillswarm.node.pipeline import RLConfig
+    from skillswarm.node.recipes import DOMAIN_RECIPES
+    from skillswarm.node.runner import run_training
+    from skillswarm.protocol.tomlconfig import ConfigFileError, load_toml_config
 
     _logging(verbose)
     try:
@@ -358,7 +358,7 @@ def serve_model(
     """Serve a local model over an OpenAI-compatible API (for sub-agent tools and judges)."""
     import os
 
-    from node.openai_server import serve
+    from skillswarm.agent.openai_server import serve
 
     api_key = os.environ.get(api_key_env) if api_key_env else None
     if api_key_env and not api_key:

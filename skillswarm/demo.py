@@ -25,16 +25,16 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
-from merge.methods import MergeSpec
-from node.config import NodeConfig
-from node.model import (
+from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
+from skillswarm.merge.methods import MergeSpec
+from skillswarm.node.bootstrap import (
     DEFAULT_DOMAIN_WEIGHTS,
     MULTI_DOMAIN_COPY_STEPS,
     MULTI_DOMAIN_WARM_START_STEPS,
 )
-from node.pipeline import RLConfig
-from protocol.tomlconfig import write_toml_config
+from skillswarm.node.config import NodeConfig
+from skillswarm.node.pipeline import RLConfig
+from skillswarm.protocol.tomlconfig import write_toml_config
 
 STEP_LINE = re.compile(r"round=(\d+) step=(\d+)/(\d+) reward=([\d.na]+)")
 
@@ -208,7 +208,8 @@ def run_demo(
     workdir.mkdir(parents=True, exist_ok=True)
     base = workdir / ("base-quick" if quick else "base")
     if not (base / "config.json").exists():
-        from node.model import build_threads, create_base_checkpoint
+        from skillswarm.agent.model import build_threads
+        from skillswarm.node.bootstrap import create_base_checkpoint
 
         options: dict = {"domains": DOMAINS, "num_threads": build_threads()}
         if settings.warm_start_steps is not None:
@@ -357,10 +358,10 @@ def _progress_table(processes: list[Process], rounds: list[dict]) -> Table:
 
 def _pull_and_generate(url: str, out: Path, console: Console) -> Path:
     """Pull the merged checkpoint as a user would and play one held-out episode with it."""
-    from node.envs import get_environment
-    from node.model import load_policy
-    from node.rollout import play_episodes
-    from protocol.pull import pull
+    from skillswarm.agent.envs import get_environment
+    from skillswarm.agent.model import load_policy
+    from skillswarm.agent.rollout import play_episodes
+    from skillswarm.protocol.pull import pull
 
     path = pull(url, "latest", out, progress=False)
     model, tokenizer = load_policy(path)

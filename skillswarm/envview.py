@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from node.envs import get_environment, list_environments
-from node.envs.base import Environment
-from node.rollout import Episode, RolloutEngine, summarize_episodes
+from skillswarm.agent.envs import get_environment, list_environments
+from skillswarm.agent.envs.base import Environment
+from skillswarm.agent.rollout import Episode, RolloutEngine, summarize_episodes
 
 ROLE_STYLES = {"system": "dim", "user": "cyan", "assistant": "green", "tool": "yellow"}
 
@@ -46,8 +46,8 @@ def play_for_viewing(
     max_new_tokens: int = 256,
 ) -> list[Episode]:
     """Play `n` tasks of `domain` with the model at `model_path`, or with the solver when None."""
-    from node.inference import HFBackend, SolverBackend
-    from node.model import TEMPLATE_FIXED_STRINGS, build_tokenizer, load_policy
+    from skillswarm.agent.inference import HFBackend, SolverBackend
+    from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tokenizer, load_policy
 
     env = get_environment(domain)
     tasks = env.tasks(split, n, seed=seed)  # type: ignore[arg-type]

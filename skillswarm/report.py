@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from node.metrics import plot_reward_curves, read_metrics
-from protocol.durable import write_bytes_atomically
+from skillswarm.node.metrics import plot_reward_curves, read_metrics
+from skillswarm.protocol.durable import write_bytes_atomically
 
 
 def _percent(value: Any) -> str:

@@ -76,8 +76,7 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     has something to learn from), built with two torch threads, once for the whole run: pytest-xdist
     workers share it through a file lock (the first to need it builds it, the others wait)."""
     from filelock import FileLock
-
-    from node.model import create_base_checkpoint
+    from skillswarm.node.bootstrap import create_base_checkpoint
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -6,15 +6,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-
-from coordinator.service import Coordinator
-from coordinator.store import DeltaRecord
-from merge.streaming import iter_base_tensors
-from protocol.blobstore import BlobStore
-from protocol.delta import pack_delta
-from protocol.identity import KeyPair, peer_id_of, public_key_bytes
-from protocol.manifest import sign_manifest
-from protocol.messages import DeltaAnnounced
+from skillswarm.coordinator.service import Coordinator
+from skillswarm.coordinator.store import DeltaRecord
+from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.delta import pack_delta
+from skillswarm.protocol.identity import KeyPair, peer_id_of, public_key_bytes
+from skillswarm.protocol.manifest import sign_manifest
+from skillswarm.protocol.messages import DeltaAnnounced
 
 
 def current_base_tensors(c: Coordinator) -> dict[str, torch.Tensor]:

@@ -7,13 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-from protocol.blobstore import (
-    BlobCorrupted,
-    BlobNotFound,
-    BlobStore,
-    InvalidBlobId,
-)
+from skillswarm.protocol.blobstore import BlobCorrupted, BlobNotFound, BlobStore, InvalidBlobId
 
 pytestmark = pytest.mark.timeout(30)
 

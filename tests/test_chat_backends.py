@@ -19,8 +19,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import ValidationError
-
-from node.chat_backends import (
+from skillswarm.agent.chat_backends import (
     ChatBackend,
     ChatBackendConfig,
     ChatBackendConfigError,
@@ -32,8 +31,8 @@ from node.chat_backends import (
     OpenAIChatBackend,
     chat_backend_from_config,
 )
-from node.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
-from node.openai_server import create_app, running_server
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
+from skillswarm.agent.openai_server import create_app, running_server
 
 MODEL_NAME = "tiny-chat"
 API_KEY = "test-secret-key"
@@ -417,7 +416,7 @@ def test_serve_runs_a_model_folder_as_an_endpoint(
     port = free_port()
     log_path = tmp_path / "serve.log"
     script = (
-        "import sys, torch; torch.set_num_threads(1); from node.openai_server import serve; "
+        "import sys, torch; torch.set_num_threads(1); from skillswarm.agent.openai_server import serve; "
         "serve(sys.argv[1], port=int(sys.argv[2]), api_key='serve-key')"
     )
     with log_path.open("wb") as log:

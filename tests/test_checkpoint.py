@@ -8,8 +8,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-
-from merge.checkpoint import (
+from skillswarm.merge.checkpoint import (
     MANIFEST_FILE_NAME,
     MAX_MANIFEST_BYTES,
     CheckpointError,

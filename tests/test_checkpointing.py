@@ -20,9 +20,14 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from node import checkpointing
-from node.checkpointing import (
+from skillswarm.agent.model import (
+    TEMPLATE_FIXED_STRINGS,
+    build_tiny_model,
+    build_tokenizer,
+    load_policy,
+)
+from skillswarm.node import checkpointing
+from skillswarm.node.checkpointing import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     TrainingState,
@@ -31,7 +36,6 @@ from node.checkpointing import (
     save_training_checkpoint,
     step_directory_name,
 )
-from node.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer, load_policy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -220,7 +224,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
 
     fresh = tiny_model(tokenizer, seed=9)
     optimizer = torch.optim.AdamW(fresh.parameters())
-    with caplog.at_level(logging.WARNING, logger="node.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="skillswarm.node.checkpointing"):
         state = load_training_checkpoint(tmp_path, fresh, optimizer)
     assert state is not None and state.step == 1 and state.data_position == {"cursor": 10}
     assert_same_weights(weights(fresh), weights(older))
@@ -363,8 +367,8 @@ TRAINER_SCRIPT = textwrap.dedent(
     import numpy as np
     import torch
 
-    from node.checkpointing import TrainingState, load_training_checkpoint, save_training_checkpoint
-    from node.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
+    from skillswarm.node.checkpointing import TrainingState, load_training_checkpoint, save_training_checkpoint
+    from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
 
 
     def train(checkpoints: Path | None, total_steps: int) -> dict[str, torch.Tensor]:

@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from coordinator.config import CoordinatorConfig
-from node.config import NodeConfig
-from protocol.tomlconfig import ConfigFileError, load_toml_config, write_toml_config
+from skillswarm.coordinator.config import CoordinatorConfig
+from skillswarm.node.config import NodeConfig
+from skillswarm.protocol.tomlconfig import ConfigFileError, load_toml_config, write_toml_config
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

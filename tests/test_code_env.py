@@ -10,12 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers.utils import get_json_schema
-
-import node.envs.code  # noqa: F401  (registers the environment)
-from node.envs import get_environment
-from node.envs.base import SPLITS, InvalidSplitError, Task, split_of_text
-from node.envs.code import (
+from skillswarm.agent.envs import get_environment
+from skillswarm.agent.envs.base import SPLITS, InvalidSplitError, Task, split_of_text
+from skillswarm.agent.envs.code import (
     FUNCTION_FAMILIES,
     CodeEnvironment,
     NoReferenceSolutionError,
@@ -23,9 +20,16 @@ from node.envs.code import (
     TestReportMemo,
     strip_code_fences,
 )
-from node.model import TEMPLATE_FIXED_STRINGS, build_tokenizer
-from node.sandbox import TestRunReport
-from node.tools import ToolCall, ToolResult, execute_tool_call, parse_tool_calls, tool_messages
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tokenizer
+from skillswarm.agent.sandbox import TestRunReport
+from skillswarm.agent.tools import (
+    ToolCall,
+    ToolResult,
+    execute_tool_call,
+    parse_tool_calls,
+    tool_messages,
+)
+from transformers.utils import get_json_schema
 
 
 @pytest.fixture(scope="module")

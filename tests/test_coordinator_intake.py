@@ -10,17 +10,16 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-
-from coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
-from coordinator.service import Coordinator, record_id
-from coordinator.store import DeltaRecord, NodeRecord
-from merge.streaming import iter_base_tensors
-from protocol.blobstore import BlobStore
-from protocol.delta import pack_delta
-from protocol.host import SwarmHost
-from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
-from protocol.manifest import SignedManifest, sign_manifest
-from protocol.messages import DeltaAnnounced, NodeHeartbeat, encode_message
+from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
+from skillswarm.coordinator.service import Coordinator, record_id
+from skillswarm.coordinator.store import DeltaRecord, NodeRecord
+from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.delta import pack_delta
+from skillswarm.protocol.host import SwarmHost
+from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
+from skillswarm.protocol.manifest import SignedManifest, sign_manifest
+from skillswarm.protocol.messages import DeltaAnnounced, NodeHeartbeat, encode_message
 
 
 def _config(tmp_path: Path, tiny_base: Path, **fields) -> CoordinatorConfig:
@@ -102,7 +101,7 @@ def _wait_log(caplog, text: str, timeout: float = 30) -> None:
 
 def test_forged_and_misattributed_deltas_refused_honest_one_accepted(tmp_path, coordinator, caplog):
     c = coordinator
-    caplog.set_level(logging.INFO, logger="coordinator.service")
+    caplog.set_level(logging.INFO, logger="skillswarm.coordinator.service")
     base = c.current_base()
     base_dir = c.registry.checkpoint_dir(base)
     alice_key, alice_store, alice = _peer(tmp_path, "alice", c.config.topic)
@@ -227,7 +226,7 @@ def test_a_delta_whose_blobs_could_not_be_fetched_is_taken_again_when_reannounce
     tmp_path, coordinator, caplog
 ):
     c = coordinator
-    caplog.set_level(logging.INFO, logger="coordinator.service")
+    caplog.set_level(logging.INFO, logger="skillswarm.coordinator.service")
     base = c.current_base()
     key, store, peer = _peer(tmp_path, "dave", c.config.topic)
     try:
@@ -365,7 +364,7 @@ def test_peer_not_on_the_allow_list_is_refused_before_fetching(tmp_path, tiny_ba
         for sha in manifest.blobs:
             peer.serve_blob(sha)
         signed = sign_manifest(manifest, key)
-        caplog.set_level(logging.DEBUG, logger="coordinator.service")
+        caplog.set_level(logging.DEBUG, logger="skillswarm.coordinator.service")
         peer.publish(encode_message(NodeHeartbeat(domain="math", round=1, step=3, reward=0.5)))
         _wait_log(caplog, f"ignored a heartbeat: peer {peer.peer_id} is not on the allow-list")
         _announce(peer, signed)

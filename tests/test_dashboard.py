@@ -11,20 +11,19 @@ from pathlib import Path
 
 import pytest
 from delta_helpers import current_base_tensors, hand_in_delta, noisy
-
-from coordinator.app import create_app
-from coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
-from coordinator.service import Coordinator
-from node.openai_server import running_server
-from protocol.identity import KeyPair, load_or_create_identity, peer_id_of
-from protocol.messages import NodeHeartbeat
+from skillswarm.agent.openai_server import running_server
+from skillswarm.coordinator.app import create_app
+from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
+from skillswarm.coordinator.service import Coordinator
+from skillswarm.protocol.identity import KeyPair, load_or_create_identity, peer_id_of
+from skillswarm.protocol.messages import NodeHeartbeat
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from node.model import create_base_checkpoint
+    from skillswarm.node.bootstrap import create_base_checkpoint
 
     return create_base_checkpoint(
         tmp_path_factory.mktemp("dashboard-base") / "base",

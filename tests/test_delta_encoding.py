@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
-
-from protocol.delta import DTYPE_NAMES, DeltaError, _pack, decode_tensor, encode_tensor
-from protocol.manifest import TensorEntry
+from skillswarm.protocol.delta import DTYPE_NAMES, DeltaError, _pack, decode_tensor, encode_tensor
+from skillswarm.protocol.manifest import TensorEntry
 
 BLOB = "00" * 32
 
@@ -110,8 +109,8 @@ def test_int8_is_lossy_and_close():
 def test_a_delta_trained_on_the_gpu_packs_against_the_base_read_on_the_cpu(tmp_path) -> None:
     """A GPU node's state dict lives on the GPU and its base checkpoint is read on the CPU:
     packing compares them bit for bit all the same and the rebuild is exact."""
-    from protocol.blobstore import BlobStore
-    from protocol.delta import DeltaReader, pack_delta
+    from skillswarm.protocol.blobstore import BlobStore
+    from skillswarm.protocol.delta import DeltaReader, pack_delta
 
     base = {"w": torch.randn(64, 32).to(torch.bfloat16)}
     tuned = {"w": (base["w"].float() + 0.05 * torch.randn(64, 32)).cuda()}

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from node.model import load_policy
+from skillswarm.agent.model import load_policy
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DOMAINS = ("code", "math", "search")

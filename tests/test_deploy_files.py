@@ -19,12 +19,12 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from pydantic import BaseModel
+from skillswarm.coordinator.config import CoordinatorConfig
+from skillswarm.node.config import NodeConfig
+from skillswarm.protocol.tomlconfig import load_toml_config
 from typer.core import TyperGroup
 from typer.main import get_command
 
-from coordinator.config import CoordinatorConfig
-from node.config import NodeConfig
-from protocol.tomlconfig import load_toml_config
 from skillswarm.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -351,9 +351,8 @@ def test_compose_passes_the_operator_token_to_the_coordinator():
 
 def test_healthchecks_hit_real_routes(tmp_path: Path):
     from fastapi.testclient import TestClient
-
-    from coordinator.app import create_app
-    from coordinator.service import Coordinator
+    from skillswarm.coordinator.app import create_app
+    from skillswarm.coordinator.service import Coordinator
 
     compose = _compose()
     coordinator_config = _compose_configs()["coordinator"]

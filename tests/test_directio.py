@@ -13,9 +13,8 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-
-import protocol.directio as directio
-from protocol.directio import (
+import skillswarm.protocol.directio as directio
+from skillswarm.protocol.directio import (
     DIRECT_IO_ALIGN_BYTES,
     DIRECT_STAGING_BYTES,
     AlignedBufferPool,

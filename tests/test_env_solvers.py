@@ -4,12 +4,11 @@ real parser, the real tools run concurrently, the real reward) solve held-out ta
 from __future__ import annotations
 
 import pytest
-
-from node.envs import get_environment, list_environments
-from node.inference import SolverBackend
-from node.model import TEMPLATE_FIXED_STRINGS, build_tokenizer
-from node.rollout import RolloutEngine, summarize_episodes
-from node.tools import TOOL_ERROR_PREFIX
+from skillswarm.agent.envs import get_environment, list_environments
+from skillswarm.agent.inference import SolverBackend
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tokenizer
+from skillswarm.agent.rollout import RolloutEngine, summarize_episodes
+from skillswarm.agent.tools import TOOL_ERROR_PREFIX
 
 HELDOUT_TASKS = 200
 

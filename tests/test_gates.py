@@ -16,20 +16,24 @@ import pytest
 import torch
 from delta_helpers import hand_in_delta
 from pydantic import ValidationError
-
-from coordinator.config import CoordinatorConfig, EvalConfig, GateConfig, RoundPolicy
-from coordinator.gates import (
+from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, GateConfig, RoundPolicy
+from skillswarm.coordinator.gates import (
     DeltaRejected,
     check_domain_scores,
     relative_norm,
     write_expert_checkpoint,
 )
-from coordinator.service import Coordinator
-from coordinator.store import DeltaRecord
-from merge.streaming import iter_base_tensors
-from protocol.blobstore import BlobStore
-from protocol.delta import DeltaReader, pack_delta
-from protocol.identity import KeyPair, load_or_create_identity, peer_id_of, public_key_bytes
+from skillswarm.coordinator.service import Coordinator
+from skillswarm.coordinator.store import DeltaRecord
+from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.delta import DeltaReader, pack_delta
+from skillswarm.protocol.identity import (
+    KeyPair,
+    load_or_create_identity,
+    peer_id_of,
+    public_key_bytes,
+)
 
 GROWN_TENSOR = "model.layers.0.mlp.down_proj.weight"
 # eval.validation_seed whose 8 held-out math tasks the embedded base solves well (5 of 8 when

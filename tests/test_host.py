@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 import multiaddr
 import pytest
+import skillswarm.protocol.host as host_module
 import trio
 from libp2p import new_host
 from libp2p.abc import IHost, INetStream, IRawConnection
@@ -48,11 +49,9 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import encode_uvarint
-
-import protocol.host as host_module
-from protocol.blobstore import BlobCorrupted, BlobStore
-from protocol.directio import supports_direct_io
-from protocol.host import (
+from skillswarm.protocol.blobstore import BlobCorrupted, BlobStore
+from skillswarm.protocol.directio import supports_direct_io
+from skillswarm.protocol.host import (
     BLOB_CHUNK_BYTES,
     BLOB_PROTOCOL_ID,
     MAX_GOSSIP_PAYLOAD_BYTES,
@@ -66,7 +65,7 @@ from protocol.host import (
     _CancelSafeRawConnection,
     _read_cached,
 )
-from protocol.identity import load_or_create_identity
+from skillswarm.protocol.identity import load_or_create_identity
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -213,8 +212,8 @@ def test_freezing_the_startup_heap_exempts_the_imports_and_still_collects_later_
     frozen, and a reference cycle made afterwards is still collected."""
     script = (
         "import gc\n"
-        "import protocol.host\n"
-        "protocol.host.freeze_startup_heap()\n"
+        "import skillswarm.protocol.host\n"
+        "skillswarm.protocol.host.freeze_startup_heap()\n"
         "frozen = gc.get_freeze_count()\n"
         "class Peer: pass\n"
         "a, b = Peer(), Peer()\n"
@@ -278,7 +277,7 @@ def test_gossip_limit_above_what_libp2p_carries_is_refused(tmp_path: Path) -> No
 def test_incoming_message_over_the_receivers_limit_is_dropped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="protocol.host")
+    caplog.set_level(logging.WARNING, logger="skillswarm.protocol.host")
     with make_host(tmp_path, "x") as sender, make_host(tmp_path, "y", max_message_bytes=1000) as y:
         y.connect(sender.listen_addrs[0])
         sender.wait_for_peers_in_topic(1, MESH_TIMEOUT_S)
@@ -295,7 +294,7 @@ def test_unread_gossip_is_bounded_in_bytes_and_a_host_that_reads_none_keeps_none
 ) -> None:
     """x - z - y in a line: z relays x's messages to y but, made with deliver_gossip=False,
     keeps none; y keeps what fits in its queue's bytes and says once what it dropped."""
-    caplog.set_level(logging.WARNING, logger="protocol.host")
+    caplog.set_level(logging.WARNING, logger="skillswarm.protocol.host")
     monkeypatch.setattr(host_module, "MESSAGE_QUEUE_BYTES", 3000)
     x, y = make_host(tmp_path, "x"), make_host(tmp_path, "y")
     z = make_host(tmp_path, "z", deliver_gossip=False)
@@ -425,7 +424,7 @@ def test_unparsable_gossip_frames_reset_one_stream_and_the_host_keeps_working(
 ) -> None:
     """Garbage on the gossipsub protocol must not stop the host (a remote crash otherwise)."""
     victim, sender, _ = hosts
-    caplog.set_level(logging.WARNING, logger="protocol.host")
+    caplog.set_level(logging.WARNING, logger="skillswarm.protocol.host")
     garbage_frames = [
         encode_uvarint(10) + b"\xff" * 10,  # a well-framed RPC that is not protobuf
         encode_uvarint(2 << 20),  # a length prefix over the 1 MiB RPC limit

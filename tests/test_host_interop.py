@@ -34,15 +34,14 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
-
-from protocol.blobstore import BlobStore
-from protocol.host import (
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.host import (
     BLOB_PROTOCOL_ID,
     BlobFetchError,
     SwarmHost,
     _CancelSafeNoiseTransport,
 )
-from protocol.identity import load_or_create_identity
+from skillswarm.protocol.identity import load_or_create_identity
 
 pytestmark = pytest.mark.timeout(60)
 

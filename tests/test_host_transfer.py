@@ -31,10 +31,9 @@ import trio
 from libp2p.io.trio import TrioTCPStream
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
-
-from protocol.blobstore import BlobStore
-from protocol.delta import DeltaReader, pack_delta
-from protocol.host import (
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.delta import DeltaReader, pack_delta
+from skillswarm.protocol.host import (
     BLOB_CHUNK_BYTES,
     BLOB_PROTOCOL_ID,
     BLOB_SEND_BUFFERS,
@@ -55,8 +54,8 @@ from protocol.host import (
     _read_into,
     _StreamBuffer,
 )
-from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
-from protocol.manifest import DeltaManifest
+from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
+from skillswarm.protocol.manifest import DeltaManifest
 
 # The module's ~100 MB delta is packed in the first test's setup (~20 s), which counts too.
 pytestmark = pytest.mark.timeout(240)
@@ -274,7 +273,7 @@ def test_cut_transfer_resumes_at_the_next_holder(
 ) -> None:
     """The first holder of a delta goes away mid-transfer: the fetch retries it, then resumes at
     the second from its offset, and the tuned weights rebuild bit-identical."""
-    caplog.set_level(logging.INFO, logger="protocol.host")
+    caplog.set_level(logging.INFO, logger="skillswarm.protocol.host")
     blob = delta.blob
     first, second = make_host(tmp_path, "first"), make_host(tmp_path, "second")
     with first, second, make_host(tmp_path, "client") as client:
@@ -319,7 +318,7 @@ def test_holder_with_corrupted_bytes_is_detected_and_the_next_holder_serves_the_
 ) -> None:
     """A holder whose copy of a delta has a corrupted span serves it whole; the download fails
     its check, the next holder serves the delta from byte 0, and the weights rebuild exactly."""
-    caplog.set_level(logging.WARNING, logger="protocol.host")
+    caplog.set_level(logging.WARNING, logger="skillswarm.protocol.host")
     blob = delta.blob
     bad, good = make_host(tmp_path, "bad"), make_host(tmp_path, "good")
     with bad, good, make_host(tmp_path, "client") as client:
@@ -401,7 +400,7 @@ def test_fetch_from_any_refuses_bad_arguments_before_any_transfer(tmp_path: Path
 def test_keep_connected_redials_a_restarted_peer_and_gossip_flows_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="protocol.host")
+    caplog.set_level(logging.INFO, logger="skillswarm.protocol.host")
     threads_before = {thread.ident for thread in threading.enumerate()}
     watcher, remote = make_host(tmp_path, "watcher"), make_host(tmp_path, "remote")
     with watcher, remote:
@@ -455,7 +454,7 @@ def test_keep_connected_redials_a_restarted_peer_and_gossip_flows_again(
     ]
     assert left == []
     assert not any(
-        record.name == "protocol.host" and record.levelno >= logging.ERROR
+        record.name == "skillswarm.protocol.host" and record.levelno >= logging.ERROR
         for record in caplog.records
     )
 
@@ -557,8 +556,8 @@ def test_downloads_and_blob_servers_reuse_their_buffers(
     """The buffers of a download and of the blob server that fed it go back to the process's
     pool when the transfer ends, and the next transfers take them instead of new memory; every
     blob still arrives intact."""
-    import protocol.directio as directio
-    import protocol.host as host_module
+    import skillswarm.protocol.directio as directio
+    import skillswarm.protocol.host as host_module
 
     pool = host_module._TRANSFER_BUFFERS
     pool.take(pool.idle)  # start with none kept
@@ -755,7 +754,7 @@ def test_partial_writer_syncs_the_file_as_it_grows_without_waiting_for_the_disk(
     """Every BLOB_SYNC_BYTES written, the partial file is synced, so the commit's fsync has
     little left and a crash keeps a durable prefix; the writer goes on writing while a sync
     runs, and no sync is left running once `finish` returns."""
-    import protocol.host as host_module
+    import skillswarm.protocol.host as host_module
 
     batches = [bytes([n]) * 1000 for n in range(1, 11)]
     total = sum(map(len, batches))
@@ -797,7 +796,7 @@ def test_partial_writer_stops_after_a_failed_sync(
 ) -> None:
     """A sync that fails (the disk reporting an I/O error) fails the download: `finish` raises
     it and the partial file holds a prefix of the batches, nothing out of order."""
-    import protocol.host as host_module
+    import skillswarm.protocol.host as host_module
 
     sync_tried = threading.Event()
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 from libp2p.crypto.secp256k1 import create_new_key_pair as create_secp256k1_key_pair
-
-from protocol.identity import (
+from skillswarm.protocol.identity import (
     IdentityError,
     load_or_create_identity,
     peer_id_from_public_key_bytes,

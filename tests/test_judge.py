@@ -8,12 +8,11 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-
-from node.chat_backends import ChatMessage, LocalModelChatBackend, OpenAIChatBackend
-from node.envs.base import Task
-from node.judge import JudgeRubric, JudgeStats, as_reward, parse_verdict
-from node.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
-from node.openai_server import create_app, running_server
+from skillswarm.agent.chat_backends import ChatMessage, LocalModelChatBackend, OpenAIChatBackend
+from skillswarm.agent.envs.base import Task
+from skillswarm.agent.judge import JudgeRubric, JudgeStats, as_reward, parse_verdict
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
+from skillswarm.agent.openai_server import create_app, running_server
 
 CRITERIA = ["The answer names the capital city correctly.", "The answer is one short sentence."]
 QUESTION = "What is the capital of France?"

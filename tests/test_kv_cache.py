@@ -10,9 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
-
-from node.inference import (
+from skillswarm.agent.inference import (
     GROWTH_TOKENS,
     ConversationKV,
     Generation,
@@ -20,8 +18,9 @@ from node.inference import (
     HFBackend,
     shared_prefix_attention,
 )
-from node.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
-from node.train import token_logprobs
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
+from skillswarm.node.train import token_logprobs
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 
 @pytest.fixture(scope="module")

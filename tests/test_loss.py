@@ -10,8 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-
-from node.loss import (
+from skillswarm.node.loss import (
     LossConfig,
     combine_loss_metrics,
     episode_token_advantages,
@@ -461,8 +460,8 @@ def test_token_advantages_refuses_rows_naming_missing_episodes() -> None:
 
 
 def test_episodes_with_several_samples_get_their_turns_advantages() -> None:
-    from node.envs.base import Task
-    from node.rollout import ConversationTokens, Episode
+    from skillswarm.agent.envs.base import Task
+    from skillswarm.agent.rollout import ConversationTokens, Episode
 
     def episode(task_id: str, reward: float, turn_rewards: list[float]) -> Episode:
         played = Episode(Task(task_id, "q", "a"), 0, [], 1.0)

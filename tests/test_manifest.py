@@ -7,12 +7,11 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-
-from protocol.blobstore import BlobStore
-from protocol.delta import DeltaError, DeltaReader, pack_delta
-from protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
-from protocol.manifest import DeltaManifest, ManifestError, SignedManifest, sign_manifest
-from protocol.messages import (
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.delta import DeltaError, DeltaReader, pack_delta
+from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
+from skillswarm.protocol.manifest import DeltaManifest, ManifestError, SignedManifest, sign_manifest
+from skillswarm.protocol.messages import (
     MAX_GOSSIP_BYTES,
     CheckpointPublished,
     DeltaAnnounced,

@@ -11,8 +11,7 @@ from decimal import getcontext
 from fractions import Fraction
 
 import pytest
-
-from node.envs import (
+from skillswarm.agent.envs import (
     DuplicateEnvironmentError,
     Environment,
     UnknownEnvironmentError,
@@ -20,8 +19,8 @@ from node.envs import (
     list_environments,
     register_environment,
 )
-from node.envs.base import InvalidSplitError, Task
-from node.envs.math import (
+from skillswarm.agent.envs.base import InvalidSplitError, Task
+from skillswarm.agent.envs.math import (
     DEFAULT_FAMILIES,
     PROBLEM_TEMPLATES,
     REASONING_GYM_FAMILIES,
@@ -33,8 +32,8 @@ from node.envs.math import (
     evaluate_expression,
     format_number,
 )
-from node.model import TEMPLATE_FIXED_STRINGS, build_tokenizer
-from node.tools import (
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tokenizer
+from skillswarm.agent.tools import (
     TOOL_ERROR_PREFIX,
     ToolCall,
     execute_tool_call,

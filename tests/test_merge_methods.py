@@ -12,10 +12,8 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-from merge.methods import MergeConfigError, MergeSpec
-from merge.streaming import (
+from skillswarm.merge.methods import MergeConfigError, MergeSpec
+from skillswarm.merge.streaming import (
     SAFETENSORS_INDEX,
     CheckpointTensors,
     MergeError,
@@ -24,6 +22,7 @@ from merge.streaming import (
     merge_checkpoint,
     weight_files,
 )
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 EXPERTS = ("math", "code", "search")
 _PER_MODEL = """

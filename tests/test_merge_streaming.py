@@ -7,16 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen2Config, Qwen2ForCausalLM
-
-from merge.methods import MergeSpec, available_methods
-from merge.streaming import (
+from skillswarm.merge.methods import MergeSpec, available_methods
+from skillswarm.merge.streaming import (
     MergeError,
     SafetensorsStreamWriter,
     TaskVector,
     iter_base_tensors,
     merge_checkpoint,
 )
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 
 def _tiny(seed: int) -> Qwen2ForCausalLM:

@@ -14,8 +14,7 @@ import pytest
 import torch
 from rich.console import Console
 from rich.text import Text
-
-from node.metrics import (
+from skillswarm.node.metrics import (
     MetricsFileError,
     MetricsLogger,
     ProgressReporter,

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
-
-from node.envs import get_environment
-from node.model import (
+from skillswarm.agent.envs import get_environment
+from skillswarm.agent.model import (
     PORTABLE_TOKENIZER_CLASS,
     SPECIAL_TOKENS,
     TEMPLATE_FIXED_STRINGS,
@@ -19,11 +17,11 @@ from node.model import (
     CheckpointLoadError,
     build_tiny_model,
     build_tokenizer,
-    create_base_checkpoint,
     load_policy,
-    render_demonstrations,
     save_tokenizer,
 )
+from skillswarm.node.bootstrap import create_base_checkpoint, render_demonstrations
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +219,7 @@ def test_load_policy_refuses_a_folder_without_a_model(tmp_path: Path) -> None:
 
 
 def test_evaluate_checkpoint_scores_heldout_tasks(tiny_base: Path) -> None:
-    from node.evaluate import EvalResult, evaluate_checkpoint
+    from skillswarm.agent.evaluate import EvalResult, evaluate_checkpoint
 
     from_path = evaluate_checkpoint(tiny_base, "math", n_tasks=6, seed=0)
     assert isinstance(from_path, EvalResult)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from skillswarm.node.config import NodeConfig
+from skillswarm.node.pipeline import RLConfig
+from skillswarm.protocol.messages import decode_message
+from skillswarm.protocol.tomlconfig import load_toml_config, write_toml_config
 
-from node.config import NodeConfig
-from node.pipeline import RLConfig
-from protocol.messages import decode_message
-from protocol.tomlconfig import load_toml_config, write_toml_config
 from skillswarm.demo import Process, free_port, spawn, stop_all, wait_http, write_configs
 
 
@@ -152,7 +152,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def test_a_daemon_waiting_for_an_absent_coordinator_stops_when_told(tmp_path: Path) -> None:
-    from node.daemon import NodeDaemon
+    from skillswarm.node.daemon import NodeDaemon
 
     port = free_port()  # nothing listens there: the coordinator is away
     daemon = NodeDaemon(NodeConfig(work_dir=tmp_path, coordinator_url=f"http://127.0.0.1:{port}"))
@@ -170,7 +170,7 @@ def test_a_daemon_waiting_for_an_absent_coordinator_stops_when_told(tmp_path: Pa
 def test_a_daemon_pointed_at_something_that_is_not_a_coordinator_fails_at_once(
     tmp_path: Path,
 ) -> None:
-    from node.daemon import NodeDaemon
+    from skillswarm.node.daemon import NodeDaemon
 
     class NotFound(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the handler's API)

@@ -19,12 +19,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openapi_spec_validator import validate as validate_openapi
 from prometheus_client.parser import text_string_to_metric_families
-
-from coordinator.app import create_app
-from coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
-from coordinator.service import Coordinator
-from coordinator.store import DeltaRecord
-from protocol.identity import KeyPair, load_or_create_identity, peer_id_of
+from skillswarm.coordinator.app import create_app
+from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
+from skillswarm.coordinator.service import Coordinator
+from skillswarm.coordinator.store import DeltaRecord
+from skillswarm.protocol.identity import KeyPair, load_or_create_identity, peer_id_of
 
 TOKEN = "operator-token-" + "7f3a9c" * 4
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -41,7 +40,7 @@ COORDINATOR_GAUGES = ["current_round", "merge_seconds_last"]
 @pytest.fixture(scope="module")
 def operator_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded model without warm start: cheap, and enough to merge and evaluate."""
-    from node.model import create_base_checkpoint
+    from skillswarm.node.bootstrap import create_base_checkpoint
 
     return create_base_checkpoint(
         tmp_path_factory.mktemp("operator-base") / "base", warm_start_steps=0

@@ -12,17 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
-
-from node.envs import get_environment
-from node.metrics import read_metrics
-from node.model import (
+from skillswarm.agent.envs import get_environment
+from skillswarm.agent.model import (
     TEMPLATE_FIXED_STRINGS,
     build_tiny_model,
     build_tokenizer,
     load_policy,
-    render_demonstrations,
 )
-from node.pipeline import AsyncRLRun, RLConfig
+from skillswarm.node.bootstrap import render_demonstrations
+from skillswarm.node.metrics import read_metrics
+from skillswarm.node.pipeline import AsyncRLRun, RLConfig
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,8 @@ import random
 
 import pytest
 import torch
-
-from node.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
-from node.pretrain import (
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
+from skillswarm.node.pretrain import (
     COPY_MAX_WORDS,
     COPY_MIN_WORDS,
     copy_accuracy,

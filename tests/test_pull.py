@@ -10,16 +10,15 @@ import msgpack
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from test_registry_hub import ServedApp, build_tiny_checkpoint, hub_app, serve_app
-
-from coordinator.registry import CheckpointInfo, Registry
-from merge.checkpoint import (
+from skillswarm.coordinator.registry import CheckpointInfo, Registry
+from skillswarm.merge.checkpoint import (
     MANIFEST_FILE_NAME,
     CheckpointManifest,
     read_manifest,
     verify_folder,
 )
-from protocol.pull import PullError, PullVerificationError, pull
+from skillswarm.protocol.pull import PullError, PullVerificationError, pull
+from test_registry_hub import ServedApp, build_tiny_checkpoint, hub_app, serve_app
 
 REPO_ID = "skillswarm/agent"
 

@@ -1,4 +1,4 @@
-"""node.pyast: the parser called from many threads while garbage collections run finalizers."""
+"""agent.pyast: the parser called from many threads while garbage collections run finalizers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-
-from node import pyast
+from skillswarm.agent import pyast
 
 pytestmark = pytest.mark.timeout(120)
 

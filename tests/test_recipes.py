@@ -4,10 +4,9 @@ round trip through the TOML-shaped dict a node config holds, handed out as indep
 from __future__ import annotations
 
 import pytest
-
-from node.envs import list_environments
-from node.pipeline import RLConfig
-from node.recipes import DOMAIN_RECIPES, NoRecipeError, recipe_for
+from skillswarm.agent.envs import list_environments
+from skillswarm.node.pipeline import RLConfig
+from skillswarm.node.recipes import DOMAIN_RECIPES, NoRecipeError, recipe_for
 
 
 def test_every_registered_domain_has_a_recipe() -> None:

@@ -20,9 +20,8 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
-
-from coordinator.hub_api import hub_router
-from coordinator.registry import (
+from skillswarm.coordinator.hub_api import hub_router
+from skillswarm.coordinator.registry import (
     CheckpointRetired,
     EntryNotFound,
     Registry,
@@ -30,7 +29,7 @@ from coordinator.registry import (
     RevisionCollision,
     RevisionNotFound,
 )
-from merge.checkpoint import MANIFEST_FILE_NAME, CheckpointError, CheckpointManifest
+from skillswarm.merge.checkpoint import MANIFEST_FILE_NAME, CheckpointError, CheckpointManifest
 
 REPO_ID = "skillswarm/agent"
 

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from skillswarm.coordinator.registry import CheckpointInfo, Registry
+from skillswarm.merge.checkpoint import MANIFEST_FILE_NAME
 from test_registry_hub import ServedApp, hub_app, serve_app
-
-from coordinator.registry import CheckpointInfo, Registry
-from merge.checkpoint import MANIFEST_FILE_NAME
 
 REPO_ID = "skillswarm/agent"
 

@@ -7,20 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import GenerationConfig, Qwen2Config
-
-from node.envs import get_environment
-from node.envs.base import Task
-from node.envs.math import MathEnvironment
-from node.evaluate import evaluate_checkpoint
-from node.inference import Generation, HFBackend
-from node.model import (
-    TEMPLATE_FIXED_STRINGS,
-    build_tokenizer,
-    load_policy,
-    render_demonstrations,
-)
-from node.rollout import (
+from skillswarm.agent.envs import get_environment
+from skillswarm.agent.envs.base import Task
+from skillswarm.agent.envs.math import MathEnvironment
+from skillswarm.agent.evaluate import evaluate_checkpoint
+from skillswarm.agent.inference import Generation, HFBackend
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tokenizer, load_policy
+from skillswarm.agent.rollout import (
     PROMPT_TURN,
     RolloutEngine,
     encode_text,
@@ -29,7 +22,9 @@ from node.rollout import (
     summarize_episodes,
     tokenize_demonstration,
 )
-from node.train import token_logprobs
+from skillswarm.node.bootstrap import render_demonstrations
+from skillswarm.node.train import token_logprobs
+from transformers import GenerationConfig, Qwen2Config
 
 TURN_START = "<|im_start|>assistant\n"
 

@@ -11,18 +11,17 @@ from typing import Any
 
 import pytest
 import torch
-
-from node.envs.base import Environment, Message, Split, Task, ToolFunction
-from node.inference import GenerationRequest, HFBackend, SolverBackend
-from node.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
-from node.rollout import (
+from skillswarm.agent.envs.base import Environment, Message, Split, Task, ToolFunction
+from skillswarm.agent.inference import GenerationRequest, HFBackend, SolverBackend
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
+from skillswarm.agent.rollout import (
     PROMPT_TURN,
     RolloutEngine,
     context_messages,
     encode_text,
     render_conversation,
 )
-from node.tools import TRUNCATION_MARKER, ToolResult
+from skillswarm.agent.tools import TRUNCATION_MARKER, ToolResult
 
 
 class _Concurrency:
@@ -301,7 +300,7 @@ def test_vllm_backend_is_imported_lazily_and_refuses_clearly_without_a_gpu(tmp_p
     import importlib.util
     import sys
 
-    from node.inference_vllm import VLLMBackend, VLLMUnavailableError
+    from skillswarm.agent.inference_vllm import VLLMBackend, VLLMUnavailableError
 
     assert "vllm" not in sys.modules or importlib.util.find_spec("vllm") is not None
     if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
@@ -311,8 +310,8 @@ def test_vllm_backend_is_imported_lazily_and_refuses_clearly_without_a_gpu(tmp_p
 
 @pytest.mark.gpu
 def test_vllm_backend_logprobs_match_the_trainer_and_weights_update(tmp_path, tokenizer) -> None:
-    from node.inference_vllm import VLLMBackend
-    from node.train import token_logprobs
+    from skillswarm.agent.inference_vllm import VLLMBackend
+    from skillswarm.node.train import token_logprobs
 
     model = build_tiny_model(tokenizer, seed=0)
     model.save_pretrained(tmp_path)

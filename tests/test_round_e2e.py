@@ -9,13 +9,13 @@ from pathlib import Path
 import httpx
 import torch
 from safetensors.torch import load_file, save_file
+from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.node.pipeline import RLConfig
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.delta import DeltaReader
+from skillswarm.protocol.messages import decode_message
+from skillswarm.protocol.pull import pull
 
-from merge.streaming import iter_base_tensors
-from node.pipeline import RLConfig
-from protocol.blobstore import BlobStore
-from protocol.delta import DeltaReader
-from protocol.messages import decode_message
-from protocol.pull import pull
 from skillswarm.demo import spawn, stop_all, wait_http, write_configs
 
 

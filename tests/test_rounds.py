@@ -14,12 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 from delta_helpers import current_base_tensors, hand_in_delta, noisy, signed_announcement
-from sqlalchemy import create_engine, text
-
-from coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
-from coordinator.registry import Registry
-from coordinator.service import Coordinator
-from coordinator.store import (
+from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
+from skillswarm.coordinator.registry import Registry
+from skillswarm.coordinator.service import Coordinator
+from skillswarm.coordinator.store import (
     CheckpointRecord,
     CoordinatorStore,
     DeltaRecord,
@@ -27,15 +25,17 @@ from coordinator.store import (
     RoundRecord,
     utcnow,
 )
-from merge.checkpoint import verify_folder
-from merge.methods import MergeSpec
-from merge.streaming import iter_base_tensors
-from protocol.blobstore import BlobStore
-from protocol.host import SwarmHost
-from protocol.identity import KeyPair, load_or_create_identity, peer_id_of
-from protocol.manifest import DeltaManifest
-from protocol.messages import NodeHeartbeat, encode_message
-from protocol.tomlconfig import write_toml_config
+from skillswarm.merge.checkpoint import verify_folder
+from skillswarm.merge.methods import MergeSpec
+from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.host import SwarmHost
+from skillswarm.protocol.identity import KeyPair, load_or_create_identity, peer_id_of
+from skillswarm.protocol.manifest import DeltaManifest
+from skillswarm.protocol.messages import NodeHeartbeat, encode_message
+from skillswarm.protocol.tomlconfig import write_toml_config
+from sqlalchemy import create_engine, text
+
 from skillswarm.demo import free_port, spawn, wait_http
 
 

@@ -10,8 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-from node.sandbox import (
+from skillswarm.agent.sandbox import (
     SandboxConfigError,
     SandboxLimits,
     run_python,

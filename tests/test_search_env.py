@@ -9,15 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from transformers import PreTrainedTokenizerFast
-from transformers.utils import get_json_schema
-
-import node.envs.search  # noqa: F401  (registers the environment)
-import node.search_corpus as search_corpus
-from node.chat_backends import ChatBackend, ChatMessage
-from node.envs import get_environment
-from node.envs.base import InvalidSplitError, Task
-from node.envs.search import (
+import skillswarm.agent.search_corpus as search_corpus
+from skillswarm.agent.chat_backends import ChatBackend, ChatMessage
+from skillswarm.agent.envs import get_environment
+from skillswarm.agent.envs.base import InvalidSplitError, Task
+from skillswarm.agent.envs.search import (
     DEFAULT_TRAIN_WORLDS,
     RELATION_QUESTIONS,
     ChatReader,
@@ -28,8 +24,8 @@ from node.envs.search import (
     normalize_answer,
     result_doc_ids,
 )
-from node.model import TEMPLATE_FIXED_STRINGS, build_tokenizer
-from node.search_corpus import (
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tokenizer
+from skillswarm.agent.search_corpus import (
     LINK_RELATIONS,
     Corpus,
     CorpusFormatError,
@@ -39,7 +35,15 @@ from node.search_corpus import (
     load_jsonl_corpus,
     load_jsonl_questions,
 )
-from node.tools import TOOL_ERROR_PREFIX, ToolCall, ToolResult, execute_tool_call, parse_tool_calls
+from skillswarm.agent.tools import (
+    TOOL_ERROR_PREFIX,
+    ToolCall,
+    ToolResult,
+    execute_tool_call,
+    parse_tool_calls,
+)
+from transformers import PreTrainedTokenizerFast
+from transformers.utils import get_json_schema
 
 
 @pytest.fixture(scope="module")
@@ -555,7 +559,7 @@ def test_chat_reader_falls_back_to_extractive_when_the_backend_fails(
     question = "Who was Ada Lovelace's father?"
     backend = RaisingBackend()
     assert isinstance(backend, ChatBackend)
-    with caplog.at_level("WARNING", logger="node.envs.search"):
+    with caplog.at_level("WARNING", logger="skillswarm.agent.envs.search"):
         assert ChatReader(backend).answer(document, question) == "Her father was Lord Byron."
     assert backend.calls == 1
     assert "endpoint unreachable" in caplog.text

@@ -6,14 +6,13 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from node.chat_backends import ChatMessage, LocalModelChatBackend, OpenAIChatBackend
-from node.envs.search import ChatReader, SearchEnvironment
-from node.inference import SolverBackend
-from node.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
-from node.openai_server import create_app, running_server
-from node.rollout import RolloutEngine
-from node.tools import parse_tool_calls
+from skillswarm.agent.chat_backends import ChatMessage, LocalModelChatBackend, OpenAIChatBackend
+from skillswarm.agent.envs.search import ChatReader, SearchEnvironment
+from skillswarm.agent.inference import SolverBackend
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
+from skillswarm.agent.openai_server import create_app, running_server
+from skillswarm.agent.rollout import RolloutEngine
+from skillswarm.agent.tools import parse_tool_calls
 
 
 class RecordingReaderModel:

@@ -7,27 +7,22 @@ import math
 
 import pytest
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-from node.envs import get_environment
-from node.envs.base import Task
-from node.envs.math import MathEnvironment
-from node.loss import LossConfig, group_advantages
-from node.model import (
-    TEMPLATE_FIXED_STRINGS,
-    build_tiny_model,
-    build_tokenizer,
-    render_demonstrations,
-)
-from node.pipeline import RLConfig, train_rl
-from node.rollout import Episode, play_episodes, tokenize_demonstration
-from node.train import (
+from skillswarm.agent.envs import get_environment
+from skillswarm.agent.envs.base import Task
+from skillswarm.agent.envs.math import MathEnvironment
+from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
+from skillswarm.agent.rollout import Episode, play_episodes, tokenize_demonstration
+from skillswarm.node.bootstrap import render_demonstrations
+from skillswarm.node.loss import LossConfig, group_advantages
+from skillswarm.node.pipeline import RLConfig, train_rl
+from skillswarm.node.train import (
     PolicyGradientTrainer,
     length_sorted_micro_batches,
     shared_prefix_length,
     supervised_warm_start,
     token_logprobs,
 )
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +179,7 @@ def test_warm_start_weights_share_the_demonstrations_in_proportion(
 ) -> None:
     """Weights 1:3 over two environments give them a quarter and three quarters of all the
     slots over the run (exactly, whatever the batch size), and `on_step` sees every step."""
-    from node.envs.math import MathEnvironment as Math
+    from skillswarm.agent.envs.math import MathEnvironment as Math
 
     class Counting(Math):
         def __init__(self) -> None:

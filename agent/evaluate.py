@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from skillswarm.agent.envs import get_environment
+from skillswarm.agent.model import load_policy, set_torch_threads
+from skillswarm.agent.rollout import DEFAULT_MAX_NEW_TOKENS, play_episodes, summarize_episodes
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from node.envs import get_environment
-from node.model import load_policy, set_torch_threads
-from node.rollout import DEFAULT_MAX_NEW_TOKENS, play_episodes, summarize_episodes
 
 Policy = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 

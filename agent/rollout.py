@@ -22,10 +22,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from node.envs.base import Environment, Message, Task, strip_reasoning
-from node.inference import (
+from skillswarm.agent.envs.base import Environment, Message, Task, strip_reasoning
+from skillswarm.agent.inference import (
     DEFAULT_MAX_BATCH_SIZE,
     ConversationKV,
     Generation,
@@ -33,7 +31,7 @@ from node.inference import (
     HFBackend,
     InferenceBackend,
 )
-from node.tools import (
+from skillswarm.agent.tools import (
     TOOL_ERROR_PREFIX,
     ToolCall,
     ToolResult,
@@ -41,6 +39,7 @@ from node.tools import (
     parse_tool_calls,
     tool_messages,
 )
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from node.chat_backends import ChatBackend, ChatMessage
+from skillswarm.agent.chat_backends import ChatBackend, ChatMessage
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class JudgeRubric:
 
 
 class JudgedTask(Protocol):
-    """What `as_reward` reads from a task (node.envs.base.Task has both)."""
+    """What `as_reward` reads from a task (agent.envs.base.Task has both)."""
 
     @property
     def prompt(self) -> str: ...

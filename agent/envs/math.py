@@ -18,9 +18,9 @@ from decimal import Decimal, DefaultContext, localcontext
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from node import pyast
-from node.envs import register_environment
-from node.envs.base import (
+from skillswarm.agent import pyast
+from skillswarm.agent.envs import register_environment
+from skillswarm.agent.envs.base import (
     Environment,
     Message,
     Split,
@@ -29,7 +29,7 @@ from node.envs.base import (
     check_split,
     draw_split_tasks,
 )
-from node.tools import TOOL_ERROR_PREFIX
+from skillswarm.agent.tools import TOOL_ERROR_PREFIX
 
 if TYPE_CHECKING:
     from reasoning_gym.dataset import ProceduralDataset

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from node.chat_backends import ChatBackend, ChatMessage
-from node.envs import register_environment
-from node.envs.base import (
+from skillswarm.agent.chat_backends import ChatBackend, ChatMessage
+from skillswarm.agent.envs import register_environment
+from skillswarm.agent.envs.base import (
     Environment,
     Message,
     Split,
@@ -39,7 +39,7 @@ from node.envs.base import (
     split_of_text,
     strip_reasoning,
 )
-from node.search_corpus import (
+from skillswarm.agent.search_corpus import (
     Corpus,
     Document,
     LinkedCorpus,
@@ -50,7 +50,7 @@ from node.search_corpus import (
     load_jsonl_questions,
     split_sentences,
 )
-from node.tools import TOOL_ERROR_PREFIX, ToolResult
+from skillswarm.agent.tools import TOOL_ERROR_PREFIX, ToolResult
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,13 @@
-"""The embedded default policy: a locally built byte-level tokenizer with a Qwen2.5/Hermes-style
-chat template, a tiny Qwen2 model, and the base checkpoint they form after a short supervised warm
-start on environment demonstrations. Also loads any Hugging Face causal-LM folder as a policy.
-"""
+"""The embedded default policy's parts: a locally built byte-level tokenizer with a
+Qwen2.5/Hermes-style chat template and a tiny Qwen2 model; also loads any Hugging Face causal-LM
+folder as a policy (the base checkpoint is built in `skillswarm.node.bootstrap`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -25,9 +24,6 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-
-from node.envs import get_environment
-from node.envs.base import Environment
 
 PAD_TOKEN = "<|endoftext|>"
 TURN_START_TOKEN = "<|im_start|>"
@@ -46,25 +42,6 @@ DEFAULT_MAX_POSITIONS = 2048
 # into tool calls in roughly half the supervised steps.
 DEFAULT_INITIALIZER_RANGE = 0.08
 
-# Demonstrations the tokenizer is trained on, per domain.
-TOKENIZER_CORPUS_TASKS = 2000
-# A math-only warm start (what `create_base_checkpoint` does by default): the model starts copying
-# numbers into calculator calls between steps 340 and 440 (one thread, batch 16); after 520 steps
-# it solved 14 of 32 held-out tasks greedily, after 220 one.
-DEFAULT_WARM_START_STEPS = 480
-# The base `skillswarm bootstrap` gives: copy pretraining (node.pretrain) until the model copies
-# 90% of a held-out batch of repeated words right (at most MULTI_DOMAIN_COPY_STEPS steps; 450
-# here), then 300 warm-start steps on all three domains. Without the copy pretraining, copying
-# names and numbers arrived only after 850 to over 1,400 warm-start steps, abruptly, and where in
-# that range depended on the machine (a 1,200-step run left search at 91.4% on one machine and 0%
-# on another); after it, each domain rises smoothly within a few hundred steps, so a short warm
-# start leaves RL room on every domain. Greedy held-out success of that base: see the README.
-MULTI_DOMAIN_WARM_START_STEPS = 300
-MULTI_DOMAIN_COPY_STEPS = 2000
-# Each domain's share of those steps' demonstrations.
-DEFAULT_DOMAIN_WEIGHTS: dict[str, float] = {"math": 4.0, "code": 1.0, "search": 12.0}
-DEFAULT_WARM_START_BATCH_SIZE = 16
-DEFAULT_WARM_START_LR = 1.5e-3
 
 TOOLS_HEADER = (
     "# Tools\n\nYou may call functions to help with the task. "
@@ -269,100 +246,6 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     return model.to(torch.float32)
-
-
-def render_demonstrations(
-    tokenizer: PreTrainedTokenizerBase,
-    environments: Sequence[Environment],
-    n_per_env: int,
-    seed: int,
-) -> list[str]:
-    """Solver demonstrations on training tasks, rendered through `tokenizer`'s chat template."""
-    texts: list[str] = []
-    for environment in environments:
-        schemas = environment.tool_schemas()
-        for task in environment.tasks("train", n_per_env, seed=seed):
-            texts.append(
-                tokenizer.apply_chat_template(
-                    environment.solve(task), tools=schemas, tokenize=False
-                )
-            )
-    return texts
-
-
-def create_base_checkpoint(
-    out_dir: Path,
-    seed: int = 0,
-    warm_start_steps: int = DEFAULT_WARM_START_STEPS,
-    domains: Sequence[str] = ("math",),
-    *,
-    warm_start_batch_size: int = DEFAULT_WARM_START_BATCH_SIZE,
-    warm_start_lr: float = DEFAULT_WARM_START_LR,
-    num_threads: int | None = 1,
-    tokenizer_corpus_tasks: int = TOKENIZER_CORPUS_TASKS,
-    domain_weights: Mapping[str, float] | None = None,
-    on_step: Callable[[int, float], None] | None = None,
-    copy_steps: int = 0,
-    on_copy_check: Callable[[int, float], None] | None = None,
-) -> Path:
-    """Build the tokenizer and tiny model, warm-start them on the domains' solver demonstrations
-    and save a Hugging Face folder at `out_dir`. `domain_weights` sets each domain's share of the
-    demonstrations (a domain not named weighs 1; None: equal shares). With `copy_steps`, the model
-    is first copy-pretrained (`node.pretrain`) for at most that many steps, on the words of the
-    tokenizer's corpus; `on_copy_check(step, accuracy)` sees its checks. The same seed and thread
-    count give the same checkpoint."""
-    from node.pretrain import copy_pretraining, corpus_words
-    from node.train import check_mix_weights, supervised_warm_start
-
-    weights = None
-    if domain_weights is not None:  # checked before the minutes of tokenizer and warm start
-        unknown = sorted(set(domain_weights) - set(domains))
-        if unknown:
-            raise ValueError(f"weights name domains not being trained: {', '.join(unknown)}")
-        weights = [float(domain_weights.get(domain, 1.0)) for domain in domains]
-        check_mix_weights(weights, len(domains))
-    if num_threads is not None:
-        set_torch_threads(num_threads)
-    environments = [get_environment(domain) for domain in domains]
-    template_only = build_tokenizer(TEMPLATE_FIXED_STRINGS)
-    corpus = list(TEMPLATE_FIXED_STRINGS)
-    corpus += render_demonstrations(template_only, environments, tokenizer_corpus_tasks, seed)
-    tokenizer = build_tokenizer(corpus)
-    model = build_tiny_model(tokenizer, seed=seed)
-    copied = None
-    if copy_steps:
-        words = corpus_words(corpus[len(TEMPLATE_FIXED_STRINGS) :])
-        copied = copy_pretraining(
-            model, tokenizer, words, copy_steps, seed=seed, on_check=on_copy_check
-        )
-    losses = supervised_warm_start(
-        model,
-        tokenizer,
-        environments,
-        steps=warm_start_steps,
-        batch_size=warm_start_batch_size,
-        lr=warm_start_lr,
-        seed=seed,
-        weights=weights,
-        on_step=on_step,
-    )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    save_tokenizer(tokenizer, out_dir)
-    provenance = {
-        "seed": seed,
-        "domains": list(domains),
-        "domain_weights": weights,
-        "warm_start_steps": warm_start_steps,
-        "warm_start_batch_size": warm_start_batch_size,
-        "warm_start_lr": warm_start_lr,
-        "warm_start_final_loss": losses[-1] if losses else None,
-        "copy_pretraining_steps": 0 if copied is None else copied.steps,
-        "copy_accuracy": None if copied is None else copied.accuracy,
-    }
-    (out_dir / "skillswarm_base.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    return out_dir
 
 
 def load_policy(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

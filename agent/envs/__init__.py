@@ -9,9 +9,13 @@ from __future__ import annotations
 import importlib
 from typing import Any, TypeVar
 
-from node.envs.base import Environment
+from skillswarm.agent.envs.base import Environment
 
-_BUILTIN_MODULES: tuple[str, ...] = ("node.envs.math", "node.envs.code", "node.envs.search")
+_BUILTIN_MODULES: tuple[str, ...] = (
+    "skillswarm.agent.envs.math",
+    "skillswarm.agent.envs.code",
+    "skillswarm.agent.envs.search",
+)
 
 _REGISTRY: dict[str, type[Environment]] = {}
 _builtins_loaded = False

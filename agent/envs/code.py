@@ -1,7 +1,7 @@
 """The `code` environment: write a small Python function to a spec and test it in a sandbox.
 
 Tasks come from a seeded generator of small function families or from a HumanEval-style JSONL
-file. The model calls `run_tests` (the task's visible tests, run by node.sandbox) and answers with
+file. The model calls `run_tests` (the task's visible tests, run by agent.sandbox) and answers with
 the function's code in `<answer>…</answer>`; the reward is the share of hidden tests it passes.
 """
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from node import pyast
-from node.envs import register_environment
-from node.envs.base import (
+from skillswarm.agent import pyast
+from skillswarm.agent.envs import register_environment
+from skillswarm.agent.envs.base import (
     Environment,
     Message,
     Split,
@@ -34,14 +34,14 @@ from node.envs.base import (
     draw_split_tasks,
     split_of_text,
 )
-from node.sandbox import (
+from skillswarm.agent.sandbox import (
     MiB,
     SandboxLimits,
     TestRunReport,
     run_test_groups_in_sandbox,
     run_tests_in_sandbox,
 )
-from node.tools import TOOL_ERROR_PREFIX, ToolResult, extract_final_answer
+from skillswarm.agent.tools import TOOL_ERROR_PREFIX, ToolResult, extract_final_answer
 
 HELDOUT_FRACTION = 0.2
 VISIBLE_TESTS = 3

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from skillswarm.agent.inference import Generation, GenerationRequest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-from node.inference import Generation, GenerationRequest
 
 
 class VLLMUnavailableError(RuntimeError):

@@ -2,7 +2,7 @@
 with its behaviour logprob. `HFBackend` runs a transformers model (the CPU default: batched, one KV
 cache per call, weights replaceable in place, each conversation's cache handed back for its next
 turn); `SolverBackend` writes an environment's demonstration turns (for checks and the terminal
-viewer); the vLLM backend lives in `node.inference_vllm` and is imported only when asked for.
+viewer); the vLLM backend lives in `skillswarm.agent.inference_vllm` and is imported only when asked for.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from skillswarm.agent.envs.base import Environment, Message, Task
 from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-from node.envs.base import Environment, Message, Task
 
 DEFAULT_MAX_BATCH_SIZE = 256
 GROWTH_TOKENS = 32  # room a generation cache gains at a time

@@ -152,7 +152,7 @@ class LocalModelChatBackend:
         cls, path: str | Path, *, max_context_tokens: int | None = None
     ) -> LocalModelChatBackend:
         """Load a Hugging Face model folder (raises CheckpointLoadError if it is not one)."""
-        from node.model import load_policy
+        from skillswarm.agent.model import load_policy
 
         model, tokenizer = load_policy(Path(path))
         return cls(model, tokenizer, max_context_tokens=max_context_tokens)

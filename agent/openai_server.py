@@ -22,11 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from node.chat_backends import (
+from skillswarm.agent.chat_backends import (
     ChatBackend,
     ChatCompletion,
     ChatMessage,
@@ -35,6 +31,9 @@ from node.chat_backends import (
     LocalModelChatBackend,
     UsageReportingChatBackend,
 )
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from skillswarm.agent.tools import ToolResult, extract_final_answer
 from transformers.utils import get_json_schema
-
-from node.tools import ToolResult, extract_final_answer
 
 T = TypeVar("T")
 

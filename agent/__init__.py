@@ -1,0 +1,2 @@
+"""The agent runtime both daemons use: environments, tools, sandbox, inference, rollout,
+model loading and evaluation."""
