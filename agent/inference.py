@@ -2,7 +2,7 @@
 with its behaviour logprob. `HFBackend` runs a transformers model (the CPU default: batched, one KV
 cache per call, weights replaceable in place, each conversation's cache handed back for its next
 turn); `SolverBackend` writes an environment's demonstration turns (for checks and the terminal
-viewer); the vLLM backend lives in `skillswarm.agent.inference_vllm` and is imported only when asked for.
+viewer); the vLLM backend (`inference_vllm`) is imported only when asked for.
 """
 
 from __future__ import annotations

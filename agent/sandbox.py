@@ -27,7 +27,9 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from skillswarm.agent import pyast
@@ -53,7 +55,8 @@ class SandboxLimits:
 
     `cpu_seconds` defaults to the wall limit rounded up; `max_output_bytes` bounds what is kept
     of stdout and of stderr (the rest is read and dropped); `max_file_bytes` caps every file the
-    code writes; `max_open_files` caps its file descriptors.
+    code writes; `max_open_files` caps its file descriptors; `max_disk_bytes` is the size of the
+    private temp dir (a tmpfs) each process gets under bubblewrap.
     """
 
     wall_timeout_s: float = 5.0
@@ -62,6 +65,7 @@ class SandboxLimits:
     max_output_bytes: int = 64 * 1024
     max_file_bytes: int = 16 * MiB
     max_open_files: int = 64
+    max_disk_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
         if not self.wall_timeout_s > 0:
@@ -72,8 +76,10 @@ class SandboxLimits:
             raise SandboxConfigError(
                 f"memory_bytes must be at least 64 MiB for Python to start, got {self.memory_bytes}"
             )
-        if self.max_output_bytes < 1 or self.max_file_bytes < 1:
-            raise SandboxConfigError("max_output_bytes and max_file_bytes must be positive")
+        if self.max_output_bytes < 1 or self.max_file_bytes < 1 or self.max_disk_bytes < MiB:
+            raise SandboxConfigError(
+                "max_output_bytes and max_file_bytes must be positive, max_disk_bytes 1 MiB or more"
+            )
         if self.max_open_files < 16:
             raise SandboxConfigError(
                 f"max_open_files must be at least 16, got {self.max_open_files}"
@@ -200,9 +206,29 @@ class _RunOutcome:
     duration_s: float
 
 
+ISOLATION_ENV = "SKILLSWARM_SANDBOX"
+SANDBOX_UID = SANDBOX_GID = 65534  # "nobody": what the child of a root parent switches to
+
+
+class Isolation(StrEnum):
+    """How sandboxed processes are walled off from the host, strongest first."""
+
+    BUBBLEWRAP = "bubblewrap"  # kernel: every namespace unshared, only the interpreter mounted
+    NAMESPACES = "namespaces"  # a user and network namespace (`unshare -rn`); host files visible
+    AUDIT_HOOK = "audit-hook"  # the in-process audit hook alone
+
+    @property
+    def kernel(self) -> bool:
+        """Whether the kernel keeps the host's files, keys and network out of reach."""
+        return self is Isolation.BUBBLEWRAP
+
+
+class SandboxUnavailable(RuntimeError):
+    """The isolation asked for (in $SKILLSWARM_SANDBOX) does not work on this host."""
+
+
 _probe_lock = threading.Lock()
-_unshare_prefix: list[str] | None = None
-_probe_done = False
+_isolation: Isolation | None = None
 
 
 def _rlimits(limits: SandboxLimits) -> list[tuple[str, int, int]]:
@@ -221,8 +247,65 @@ def _rlimits(limits: SandboxLimits) -> list[tuple[str, int, int]]:
     ]
 
 
-def _child_argv(unshare_prefix: Sequence[str]) -> list[str]:
-    return [*unshare_prefix, sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", _CHILD_LOADER]
+def _interpreter() -> str:
+    """The real interpreter binary (a virtual environment's `python` is a link to it): the
+    sandboxed child runs with `-I -S`, so it needs the standard library and nothing of the venv."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def _drop_to(isolation: Isolation) -> tuple[int, int] | None:
+    """(uid, gid) the child switches to before anything else when this process is root: the
+    kernel does not enforce RLIMIT_NPROC on root, so a candidate that got past the audit hook
+    could fork without bound. Only under bubblewrap, which gives the child just the capabilities
+    to switch and makes the interpreter reachable for that user."""
+    if isolation is not Isolation.BUBBLEWRAP or os.geteuid() != 0:
+        return None
+    return SANDBOX_UID, SANDBOX_GID
+
+
+def _bwrap_argv(bwrap: str, workdir: str, disk_bytes: int) -> list[str]:
+    """bubblewrap with the mount, PID, network, IPC, UTS and cgroup namespaces unshared (and the
+    user namespace, with no nested ones, unless this process is root: then the child drops to an
+    unprivileged user itself), no capabilities, a new session, and a filesystem of just /usr, the
+    interpreter's prefix (read-only), a minimal /dev and a private tmpfs of `disk_bytes` at
+    `workdir`: no home, no work dir, no keys, no network."""
+    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
+    argv += ["--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    if os.geteuid() == 0:
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        argv += ["--unshare-user", "--disable-userns"]
+    argv += ["--ro-bind", "/usr", "/usr", "--dev", "/dev"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(top):
+            argv += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            argv += ["--ro-bind", top, top]
+    argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    prefixes = {os.path.realpath(sys.base_prefix), os.path.dirname(os.path.dirname(_interpreter()))}
+    made: set[str] = set()
+    for prefix in sorted(prefixes):
+        if prefix == "/usr" or prefix.startswith("/usr/"):
+            continue
+        parents = [str(parent) for parent in reversed(Path(prefix).parents) if str(parent) != "/"]
+        for parent in parents:  # traversable by the unprivileged child, whatever the host's modes
+            if parent not in made:
+                argv += ["--perms", "0755", "--dir", parent]
+                made.add(parent)
+        argv += ["--ro-bind", prefix, prefix]
+    # World-writable: the child may have switched user; no one else sees this tmpfs.
+    argv += ["--size", str(disk_bytes), "--perms", "0777", "--tmpfs", workdir]
+    argv += ["--chdir", workdir, "--"]
+    return argv
+
+
+def _child_argv(isolation: Isolation, workdir: str, limits: SandboxLimits) -> list[str]:
+    prefix: list[str] = []
+    if isolation is Isolation.BUBBLEWRAP:
+        prefix = _bwrap_argv(shutil.which("bwrap") or "bwrap", workdir, limits.max_disk_bytes)
+    elif isolation is Isolation.NAMESPACES:
+        prefix = [shutil.which("unshare") or "unshare", "--user", "--map-root-user", "--net"]
+    return [*prefix, _interpreter(), "-I", "-S", "-B", "-X", "utf8", "-c", _CHILD_LOADER]
 
 
 def _child_env(workdir: str) -> dict[str, str]:
@@ -255,7 +338,7 @@ def _kill_group_and_reap(process: subprocess.Popen[bytes]) -> int:
 def _supervise(
     specs: Sequence[_ChildSpec],
     limits: SandboxLimits,
-    unshare_prefix: Sequence[str],
+    isolation: Isolation,
     extra_reads: dict[int, _BoundedBuffer] | None = None,
     close_after_spawn: Sequence[int] = (),
 ) -> _RunOutcome:
@@ -278,9 +361,10 @@ def _supervise(
                 "workdir": workdir,
                 "max_writes": MAX_FILES_WRITTEN,
                 "limits": _rlimits(limits),
+                "drop_to": _drop_to(isolation),
             }
             process = subprocess.Popen(
-                _child_argv(unshare_prefix),
+                _child_argv(isolation, workdir, limits),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -406,37 +490,66 @@ def _write_some(selector: selectors.BaseSelector, key: selectors.SelectorKey, fd
         _close(key.fileobj)
 
 
-def _network_namespace_prefix() -> list[str]:
-    """`unshare -rn` when it works on this machine (probed once per process), else nothing."""
-    global _unshare_prefix, _probe_done
+def sandbox_isolation() -> Isolation:
+    """The isolation sandboxed runs get here: $SKILLSWARM_SANDBOX if set (an isolation that does
+    not work raises SandboxUnavailable), else the strongest that works (probed once a process)."""
+    global _isolation
     with _probe_lock:
-        if not _probe_done:
-            _unshare_prefix = _probe_unshare()
-            _probe_done = True
-        return list(_unshare_prefix or [])
+        if _isolation is None:
+            _isolation = _choose_isolation(os.environ.get(ISOLATION_ENV, "").strip())
+        return _isolation
 
 
-def _probe_unshare() -> list[str] | None:
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return None
-    prefix = [unshare, "--user", "--map-root-user", "--net"]
+def _choose_isolation(wanted: str) -> Isolation:
+    if wanted and wanted != "auto":
+        try:
+            isolation = Isolation(wanted)
+        except ValueError:
+            names = ", ".join(["auto", *(level.value for level in Isolation)])
+            raise SandboxUnavailable(
+                f"${ISOLATION_ENV}={wanted!r}: choose one of {names}"
+            ) from None
+        if isolation is not Isolation.AUDIT_HOOK and not _works(isolation):
+            raise SandboxUnavailable(f"${ISOLATION_ENV}={wanted}: {_HOW_TO[isolation]}")
+        return isolation
+    for isolation in (Isolation.BUBBLEWRAP, Isolation.NAMESPACES):
+        if _works(isolation):
+            return isolation
+    return Isolation.AUDIT_HOOK
+
+
+def require_isolation(accept_weak: bool) -> Isolation:
+    """The isolation runs get here, refusing anything short of kernel isolation unless
+    `accept_weak` (then the caller is expected to say so where the operator sees it)."""
+    isolation = sandbox_isolation()
+    if not isolation.kernel and not accept_weak:
+        raise SandboxUnavailable(
+            f"model-written code would run with only the {isolation} sandbox here: "
+            f"{_HOW_TO[Isolation.BUBBLEWRAP]}; or accept the weaker sandbox explicitly "
+            "(allow_weak_sandbox = true in the node's config)"
+        )
+    return isolation
+
+
+_HOW_TO = {
+    Isolation.BUBBLEWRAP: "bwrap is missing or cannot create namespaces here (install "
+    "bubblewrap; in a container, allow user namespaces: see docs/security.md)",
+    Isolation.NAMESPACES: "`unshare --user --map-root-user --net` is refused here",
+}
+
+
+def _works(isolation: Isolation) -> bool:
+    tool = "bwrap" if isolation is Isolation.BUBBLEWRAP else "unshare"
+    if shutil.which(tool) is None:
+        return False
     limits = SandboxLimits(wall_timeout_s=_PROBE_TIMEOUT_S)
     spec = _ChildSpec({"role": "run", "source": "print('sandbox-ok')"})
     try:
-        outcome = _supervise([spec], limits, prefix)
+        outcome = _supervise([spec], limits, isolation)
     except OSError:
-        return None
+        return False
     child = outcome.children[0]
-    if child.returncode == 0 and child.stdout.text().strip() == "sandbox-ok":
-        return prefix
-    return None
-
-
-def network_namespace_available() -> bool:
-    """Whether runs here get their own user and network namespace (no network interfaces) on
-    top of the in-process guard."""
-    return bool(_network_namespace_prefix())
+    return child.returncode == 0 and child.stdout.text().strip() == "sandbox-ok"
 
 
 def _killed_reason(returncode: int, timed_out: bool, limits: SandboxLimits) -> str | None:
@@ -474,7 +587,7 @@ def run_python(
         max_file_bytes=max_file_bytes,
     )
     spec = _ChildSpec({"role": "run", "source": source})
-    outcome = _supervise([spec], limits, _network_namespace_prefix())
+    outcome = _supervise([spec], limits, sandbox_isolation())
     child = outcome.children[0]
     return SandboxResult(
         returncode=child.returncode,
@@ -567,7 +680,7 @@ def run_test_groups_in_sandbox(
     outcome = _supervise(
         [runner, candidate],
         limits,
-        _network_namespace_prefix(),
+        sandbox_isolation(),
         extra_reads={report_read: report},
         close_after_spawn=(
             request_read,

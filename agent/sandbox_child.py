@@ -60,6 +60,14 @@ def describe(error):
     return (name + ": " + text if text else name)[:MAX_MESSAGE_CHARS]
 
 
+def drop_privileges(drop_to):
+    if drop_to is not None:
+        uid, gid = drop_to
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+
+
 def apply_limits(limits):
     import resource
 
@@ -486,6 +494,7 @@ def run_tests(payload):
 
 def main():
     payload = read_payload()
+    drop_privileges(payload.get("drop_to"))
     apply_limits(payload["limits"])
     install_guard(payload["workdir"], payload["max_writes"])
     role = payload["role"]

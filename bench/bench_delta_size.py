@@ -63,7 +63,7 @@ def main() -> None:
 
     from skillswarm.agent.envs import get_environment
     from skillswarm.agent.model import load_policy
-    from skillswarm.merge.streaming import iter_base_tensors
+    from skillswarm.merge.tensors import iter_base_tensors
     from skillswarm.node.bootstrap import create_base_checkpoint
     from skillswarm.node.pipeline import AsyncRLRun
     from skillswarm.protocol.blobstore import BlobStore

@@ -64,7 +64,8 @@ def _measure(mode: str, work: Path, method: str, experts: int) -> None:
     torch.set_num_threads(1)
     from mergekit.merge_methods import get
     from skillswarm.merge.methods import MergeSpec
-    from skillswarm.merge.streaming import CheckpointTensors, TaskVector, merge_checkpoint
+    from skillswarm.merge.streaming import TaskVector, merge_checkpoint
+    from skillswarm.merge.tensors import CheckpointTensors
 
     names = [f"expert{i}" for i in range(1, experts + 1)]
     accepted = {p.name for p in get(method).spec.parameters}
@@ -104,7 +105,7 @@ def _measure(mode: str, work: Path, method: str, experts: int) -> None:
 
 
 def _same_outputs(work: Path) -> bool:
-    from skillswarm.merge.streaming import CheckpointTensors
+    from skillswarm.merge.tensors import CheckpointTensors
 
     ours = CheckpointTensors(work / "out-streaming")
     theirs = CheckpointTensors(work / "out-in-memory")

@@ -1,75 +1,42 @@
 """The coordinator's HTTP face: the /v1 JSON API, the operator API, the Hugging Face download
 routes, /metrics, the dashboard page, and serving.
 
+The answers' models are skillswarm.protocol.api's, which the node's client parses them with.
 `create_app` builds the FastAPI app around a Coordinator; `serve` runs it under uvicorn with the
 libp2p host in its own thread, and stops both cleanly on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, HTTPException, Request
-from pydantic import BaseModel, Field
-from skillswarm.coordinator.config import CoordinatorConfig, MergePlan
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
+from skillswarm.coordinator.config import CoordinatorConfig
 from skillswarm.coordinator.dashboard import dashboard_router
+from skillswarm.coordinator.http_server import server_config
 from skillswarm.coordinator.hub_api import hub_router
-from skillswarm.coordinator.operator_api import CheckpointOut, RoundOut, operator_router
+from skillswarm.coordinator.operator_api import operator_router
 from skillswarm.coordinator.prometheus import instrument_app
 from skillswarm.coordinator.service import Coordinator
 from skillswarm.coordinator.store import DeltaRecord, RoundRecord
+from skillswarm.protocol.api import (
+    CheckpointOut,
+    DeltaOut,
+    DeltaStatus,
+    InfoOut,
+    NodeOut,
+    RoundOut,
+)
+from skillswarm.protocol.canonical import MAX_WIRE_INT
 from skillswarm.protocol.host import freeze_startup_heap
 from sqlalchemy import select
 
 log = logging.getLogger(__name__)
-
-
-class InfoOut(BaseModel):
-    peer_id: str
-    multiaddrs: list[str]
-    topic: str
-    repo_id: str
-    round: int
-    base_id: str
-    base_revision: str
-    merge: MergePlan
-
-
-class DeltaOut(BaseModel):
-    id: str
-    peer_id: str
-    announced_by: str
-    domain: str | None
-    base_id: str | None
-    round: int | None
-    steps: int | None
-    status: str
-    reason: str | None
-    rejection_kind: str | None = None
-    metrics: dict[str, Any]
-    checks: dict[str, Any] | None = Field(default=None, description="what the gates measured")
-    received_at: dt.datetime
-
-
-class NodeOut(BaseModel):
-    """A peer the coordinator has heard from, with its latest progress and its verdict counts."""
-
-    peer_id: str
-    domain: str | None
-    first_seen: dt.datetime
-    last_seen: dt.datetime
-    last_heartbeat: dt.datetime | None = None
-    round: int | None = None
-    step: int | None = None
-    reward: float | None = None
-    accepted: int = Field(description="deltas accepted or merged")
-    rejected: int
 
 
 def _coordinator(request: Request) -> Coordinator:
@@ -92,7 +59,7 @@ def v1_router() -> APIRouter:
             round=current.number,
             base_id=base.id,
             base_revision=base.revision,
-            merge=c.config.merge,
+            merge=c.config.merge.model_dump(mode="json"),
         )
 
     @router.get("/checkpoints", response_model=list[CheckpointOut])
@@ -121,7 +88,11 @@ def v1_router() -> APIRouter:
         ]
 
     @router.get("/deltas", response_model=list[DeltaOut])
-    def deltas(request: Request, round: int | None = None, status: str | None = None) -> Any:
+    def deltas(
+        request: Request,
+        round: Annotated[int | None, Query(ge=0, le=MAX_WIRE_INT)] = None,
+        status: DeltaStatus | None = None,
+    ) -> Any:
         query = select(DeltaRecord).order_by(DeltaRecord.received_at)
         if round is not None:
             query = query.where(DeltaRecord.round == round)
@@ -195,6 +166,6 @@ def serve(config: CoordinatorConfig) -> None:
     coordinator.prepare()  # a missing base fails here, before the server starts
     app = create_app(coordinator)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=config.http_host, port=config.http_port, log_level="info")
+        server_config(app, config.http_host, config.http_port, log_level="info")
     )
     server.run()

@@ -5,15 +5,14 @@ Each refusal is a `DeltaRejected`: its message is the reason on record, its `kin
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from skillswarm.coordinator.config import GateConfig
-from skillswarm.merge.checkpoint import MANIFEST_FILE_NAME
-from skillswarm.merge.streaming import CheckpointTensors, SafetensorsStreamWriter
+from skillswarm.merge.streaming import write_checkpoint
+from skillswarm.merge.tensors import CheckpointTensors
 from skillswarm.protocol.delta import DTYPE_NAMES, DeltaReader
 from skillswarm.protocol.manifest import DeltaManifest
 
@@ -122,22 +121,11 @@ def check_values(reader: DeltaReader, base: CheckpointTensors, gates: GateConfig
 
 def write_expert_checkpoint(base_dir: Path, reader: DeltaReader, out_dir: Path) -> Path:
     """Write base + Δ (the node's weights, bit-exact) as a Hugging Face folder at `out_dir`."""
-    base = CheckpointTensors(base_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for file_name, keys in base.files.items():
-        writer = SafetensorsStreamWriter(
-            out_dir / file_name, [(key, *base.meta[key]) for key in keys]
-        )
-        for key in keys:
-            base_tensor = base.get(key)
-            tuned = reader.expert(key, base_tensor) if base_tensor.is_floating_point() else None
-            writer.write(key, base_tensor if tuned is None else tuned)
-        writer.close()
-    for item in Path(base_dir).iterdir():
-        if item.is_file() and not item.name.endswith(".safetensors"):
-            if item.name != MANIFEST_FILE_NAME:
-                shutil.copy2(item, out_dir / item.name)
-    return out_dir
+
+    def expert(name: str, base_tensor: torch.Tensor) -> torch.Tensor | None:
+        return reader.expert(name, base_tensor) if base_tensor.is_floating_point() else None
+
+    return write_checkpoint(base_dir, out_dir, expert)
 
 
 def check_domain_scores(

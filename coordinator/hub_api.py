@@ -96,7 +96,7 @@ class HubHTTPError(Exception):
     def response(self) -> JSONResponse:
         headers = {
             "X-Error-Code": self.code,
-            "X-Error-Message": self.message.encode("ascii", "replace").decode("ascii"),
+            "X-Error-Message": header_safe(self.message),
         }
         if self.repo_commit is not None:
             headers["X-Repo-Commit"] = self.repo_commit
@@ -108,7 +108,16 @@ class _UnsatisfiableRange(Exception):
 
 
 _NOT_FOUND = {404: {"model": HubError, "description": "repo, revision or file not found"}}
-_BYTE_RANGE = re.compile(r"\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*")
+# At most 20 digits a bound (a 64-bit size has 20): a longer number is refused before int() reads
+# it, whatever its length.
+_BYTE_RANGE = re.compile(r"\s*bytes\s*=\s*(\d{0,20})\s*-\s*(\d{0,20})\s*")
+_HEADER_UNSAFE = re.compile(r"[^\x21-\x7e]+")
+
+
+def header_safe(text: str, limit: int = 256) -> str:
+    """`text` as a valid HTTP header value: printable ASCII only (each run of anything else, the
+    request's own whitespace and control characters included, becomes one space), trimmed."""
+    return _HEADER_UNSAFE.sub(" ", text).strip()[:limit]
 
 
 def hub_router(registry: Registry) -> APIRouter:

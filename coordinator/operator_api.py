@@ -1,10 +1,9 @@
 """The operator's write API under /v1/operator: start a round, set the merge method, allow or deny
 peers, retire checkpoints. Every route needs the operator's bearer token; with none configured
-the routes answer 503. The round and checkpoint models are the ones the read API lists too."""
+the routes answer 503. The answers' models are skillswarm.protocol.api's, as the read API's."""
 
 from __future__ import annotations
 
-import datetime as dt
 import hmac
 import json
 from collections.abc import Callable
@@ -12,10 +11,18 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ValidationError
 from skillswarm.coordinator.config import MergePlan
 from skillswarm.coordinator.service import Coordinator
-from skillswarm.merge.methods import MergeSpec
+from skillswarm.merge.methods import MergeSpec, check_document_shape
+from skillswarm.protocol.api import (
+    CheckpointOut,
+    MergekitYamlBody,
+    OperatorError,
+    PeerAccessOut,
+    RoundOut,
+)
+from skillswarm.protocol.canonical import MAX_WIRE_INT
 from starlette.concurrency import run_in_threadpool
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -31,69 +38,6 @@ operator_bearer = HTTPBearer(
     description="The operator token, from the environment variable the coordinator config names "
     "(`operator_token_env`, default SKILLSWARM_OPERATOR_TOKEN).",
 )
-
-
-class RoundOut(BaseModel):
-    """A round as recorded: its base, inputs, merge method, evaluation and outcome."""
-
-    number: int
-    base_id: str
-    status: str
-    method: dict[str, Any]
-    inputs: list[str]
-    evaluation: dict[str, Any]
-    candidates: list[dict[str, Any]] = Field(
-        default_factory=list, description="merge candidates tried on the validation tasks"
-    )
-    trigger: str | None = Field(default=None, description="quorum, deadline or operator")
-    merge_seconds: float | None = None
-    checkpoint_id: str | None
-    error: str | None
-    started_at: dt.datetime
-    finished_at: dt.datetime | None
-
-    @field_validator("candidates", mode="before")
-    @classmethod
-    def _none_is_no_candidates(cls, value: Any) -> Any:
-        return [] if value is None else value
-
-
-class CheckpointOut(BaseModel):
-    """A checkpoint in the registry, with the evaluation of the round that made it."""
-
-    id: str
-    revision: str
-    round: int
-    parent: str | None
-    method: str | None
-    created_at: str
-    size: int
-    retired: bool
-    evaluation: dict[str, Any] | None = None
-
-
-class OperatorError(BaseModel):
-    """Body of every error the operator API answers itself."""
-
-    detail: str
-
-
-class PeerAccessOut(BaseModel):
-    """Whether a peer's deltas are now admitted."""
-
-    peer_id: str
-    allowed: bool
-
-
-class MergekitYamlBody(BaseModel):
-    """A mergekit-style YAML fragment carried in a JSON body."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    mergekit_yaml: str = Field(
-        description="mergekit YAML: merge_method, top-level parameters, dtype, out_dtype"
-    )
-    seed: int = Field(default=0, description="RNG seed (mergekit-yaml --random-seed)")
 
 
 class MergeSpecError(ValueError):
@@ -155,9 +99,11 @@ def merge_spec_from_body(body: bytes, content_type: str, yaml_seed: int | None) 
     if yaml_seed is not None:
         raise MergeSpecError("the seed query parameter is for YAML bodies; put seed in the JSON")
     try:
-        document = json.loads(body)
+        document = check_document_shape(json.loads(body), "the JSON body")
     except ValueError as exc:
         raise MergeSpecError(f"the body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise MergeSpecError(f"the JSON body nests too deeply to read ({exc})") from exc
     if not isinstance(document, dict):
         raise MergeSpecError("the body must be a JSON object: a MergePlan or {mergekit_yaml}")
     if "mergekit_yaml" in document:
@@ -251,7 +197,12 @@ def operator_router(coordinator: Coordinator, token: str | None, token_env: str)
     async def set_merge(
         request: Request,
         seed: Annotated[
-            int | None, Query(description="RNG seed for a YAML body (JSON bodies carry their own)")
+            int | None,
+            Query(
+                ge=0,
+                le=MAX_WIRE_INT,
+                description="RNG seed for a YAML body (JSON bodies carry their own)",
+            ),
         ] = None,
     ) -> MergePlan:
         body = await _read_bounded_body(request, MAX_MERGE_BODY_BYTES)

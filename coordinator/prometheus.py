@@ -17,6 +17,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 METRIC_NAMESPACE = "skillswarm"
 UNMATCHED_ROUTE = "unmatched"
+# Methods counted under their own label; anything else a client makes up is counted as "other",
+# so that no request can add a metric series.
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+OTHER_METHOD = "other"
 
 COORDINATOR_METRIC_HELP = {
     "deltas_received_total": "Delta announcements recorded, whatever the verdict.",
@@ -86,6 +90,7 @@ class HTTPMetrics:
         )
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        method = method if method in KNOWN_METHODS else OTHER_METHOD  # any client can send any
         self.requests.labels(method=method, route=route, status=str(status)).inc()
         self.latency.labels(method=method, route=route).observe(seconds)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from skillswarm.merge.checkpoint import (
+from skillswarm.protocol.checkpoint import (
     CHECKPOINT_ID_PATTERN,
     HASH_CHUNK_BYTES,
     MANIFEST_FILE_NAME,

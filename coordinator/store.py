@@ -57,7 +57,7 @@ class DeltaRecord(Base):
     base_id: Mapped[str | None] = mapped_column(String(64))
     round: Mapped[int | None] = mapped_column(Integer, index=True)
     steps: Mapped[int | None] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), index=True)  # accepted | rejected | merged
+    status: Mapped[str] = mapped_column(String(16), index=True)  # a protocol.api.DeltaStatus
     reason: Mapped[str | None] = mapped_column(Text)
     rejection_kind: Mapped[str | None] = mapped_column(String(16))  # see gates.REJECTION_KINDS
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
@@ -73,9 +73,7 @@ class RoundRecord(Base):
 
     number: Mapped[int] = mapped_column(Integer, primary_key=True)
     base_id: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(
-        String(16)
-    )  # open | merging | published | failed | abandoned
+    status: Mapped[str] = mapped_column(String(16))  # a protocol.api.RoundStatus
     method: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     inputs: Mapped[list[str]] = mapped_column(JSON, default=list)
     # {label: {domain: score}}; labels "base", "expert:<domain>:<delta id[:12]>", "merged"
@@ -183,6 +181,11 @@ class CoordinatorStore:
     def set_setting(self, key: str, value: Any) -> None:
         with self.session() as s:
             s.merge(SettingRecord(key=key, value=value, updated_at=utcnow()))
+
+    def record_action(self, action: str, subject: str, detail: dict[str, Any]) -> None:
+        """Note one thing the operator did (an OperatorActionRecord)."""
+        with self.session() as s:
+            s.add(OperatorActionRecord(action=action, subject=subject, detail=detail))
 
     def close(self) -> None:
         self.engine.dispose()

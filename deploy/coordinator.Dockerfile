@@ -26,6 +26,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protocol protocol
+COPY agent agent
 COPY node node
 COPY merge merge
 COPY coordinator coordinator
@@ -35,7 +36,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 
 FROM python:3.11-slim-bookworm
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libgmp10 \
+ && apt-get install -y --no-install-recommends libgmp10 bubblewrap \
  && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --user-group --uid 10001 --home-dir /data --shell /usr/sbin/nologin skillswarm \
  && mkdir -p /data /etc/skillswarm \
@@ -49,8 +50,9 @@ VOLUME /data
 # 8470: HTTP API and registry; 4001: libp2p (TCP).
 EXPOSE 8470 4001
 STOPSIGNAL SIGTERM
-# The port is the config's http_port; the first start publishes the base checkpoint (and builds
-# the embedded one when the config names none, about a minute), hence the long start period.
+# The port is the config's http_port; the first start publishes the base checkpoint (the config's
+# base_checkpoint; compose's bootstrap service builds the embedded one), hence the start period.
+# bubblewrap is for the CPU nodes deploy/compose.yaml runs from this image (the code sandbox).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
   CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8470/healthz', timeout=4)"]
 CMD ["skillswarm", "coordinator", "serve", "--config", "/etc/skillswarm/coordinator.toml"]

@@ -3,8 +3,11 @@
 # the repository root:
 #   docker build -f deploy/node.Dockerfile -t skillswarm-node .
 # Run (NVIDIA Container Toolkit on the host; the torch and vLLM wheels are CUDA 13 builds, so the
-# driver must be 580 or newer), with a config whose work_dir is /var/lib/skillswarm:
+# driver must be 580 or newer), with a config whose work_dir is /var/lib/skillswarm. The code
+# domain's sandbox (bubblewrap) creates user namespaces, which Docker's default seccomp profile
+# refuses: allow them (or run under gVisor, --runtime=runsc; see docs/security.md):
 #   docker run -d --init --gpus all --name skillswarm-node \
+#     --security-opt seccomp=unconfined --security-opt apparmor=unconfined \
 #     -v skillswarm-node:/var/lib/skillswarm \
 #     -v "$PWD/deploy/configs/node-gpu.toml:/etc/skillswarm/node.toml:ro" \
 #     skillswarm-node
@@ -15,7 +18,7 @@ FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
 # source, and Triton, under vLLM, compiles small launchers with them at run time.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      python3 python3-venv python3-dev build-essential libgmp-dev \
+      python3 python3-venv python3-dev build-essential libgmp-dev bubblewrap \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/skillswarm/venv
 ENV PATH=/opt/skillswarm/venv/bin:$PATH \
@@ -23,6 +26,7 @@ ENV PATH=/opt/skillswarm/venv/bin:$PATH \
 WORKDIR /opt/skillswarm/src
 COPY pyproject.toml README.md ./
 COPY protocol protocol
+COPY agent agent
 COPY node node
 COPY merge merge
 COPY coordinator coordinator

@@ -14,10 +14,13 @@ from typing import Any, Literal
 import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from skillswarm.merge.tensors import CheckpointTensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DtypeName = Literal["float32", "bfloat16", "float16"]
 MAX_YAML_CHARS = 1 << 20
+MAX_DOCUMENT_DEPTH = 32
+MAX_DOCUMENT_NODES = 10_000
 _YAML_KEYS = {"merge_method", "parameters", "models", "dtype", "out_dtype", "base_model"}
 _SCALAR_TYPES = (bool, int, float, str)
 
@@ -281,13 +284,51 @@ def _validate_value(parameter: Any, value: Any, label: str) -> Any:
         raise MergeConfigError(f"{label}: {value!r} is not a valid value: {exc}") from exc
 
 
+def check_document_shape(document: Any, what: str) -> Any:
+    """`document` (parsed JSON or YAML) if it nests at most MAX_DOCUMENT_DEPTH deep and holds at
+    most MAX_DOCUMENT_NODES values, counting each YAML alias use again (so that aliases cannot
+    multiply it); else MergeConfigError. Stops at the first bound passed."""
+    pending: list[tuple[Any, int]] = [(document, 1)]
+    nodes = 0
+    while pending:
+        value, depth = pending.pop()
+        nodes += 1
+        if depth > MAX_DOCUMENT_DEPTH or nodes > MAX_DOCUMENT_NODES:
+            raise MergeConfigError(
+                f"{what} nests deeper than {MAX_DOCUMENT_DEPTH} levels or holds more than "
+                f"{MAX_DOCUMENT_NODES} values"
+            )
+        if isinstance(value, dict):
+            pending += [(item, depth + 1) for pair in value.items() for item in pair]
+        elif isinstance(value, list | tuple):
+            pending += [(item, depth + 1) for item in value]
+    return document
+
+
+def _flow_depth(text: str) -> int:
+    """How deep `[` and `{` nest in `text`, quotes or not: an upper bound of the YAML's flow
+    nesting, found before the parser (whose scanner is quadratic in it) sees the text."""
+    depth = deepest = 0
+    for char in text:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
 def _load_yaml_mapping(text: str) -> dict[str, Any]:
     if len(text) > MAX_YAML_CHARS:
         raise MergeConfigError(f"mergekit YAML is {len(text)} characters; at most {MAX_YAML_CHARS}")
+    if _flow_depth(text) > MAX_DOCUMENT_DEPTH:
+        raise MergeConfigError(f"the mergekit YAML nests deeper than {MAX_DOCUMENT_DEPTH} levels")
     try:
-        raw = yaml.safe_load(text)
+        raw = check_document_shape(yaml.safe_load(text), "the mergekit YAML")
     except yaml.YAMLError as exc:
         raise MergeConfigError(f"malformed mergekit YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise MergeConfigError(f"the mergekit YAML nests too deeply to read ({exc})") from exc
     if not isinstance(raw, dict):
         raise MergeConfigError(f"mergekit YAML must be a mapping, not {type(raw).__name__}")
     return raw
@@ -346,8 +387,6 @@ def _expert_name_map(
 
 
 def _base_float_dtype(base_path: Path) -> str:
-    from skillswarm.merge.streaming import CheckpointTensors
-
     found = {
         str(dtype).removeprefix("torch.")
         for dtype, _ in CheckpointTensors(base_path).meta.values()

@@ -55,6 +55,11 @@ class NodeConfig(BaseModel):
         ge=0,
         description="serve /healthz and /metrics here; 0 picks a port; unset: off",
     )
+    allow_weak_sandbox: bool = Field(
+        default=False,
+        description="run a domain that executes model-written code (code) without bubblewrap's "
+        "kernel isolation; the weaker sandbox cannot keep such code from the node's key",
+    )
     train: RLConfig = Field(
         default_factory=RLConfig,
         description="one round's RL budget and hyper-parameters ([train], [train.loss])",

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.node.config import NodeConfig
 from skillswarm.node.health import HealthServer, NodeStatus
+from skillswarm.protocol.api import DeltaOut, DeltaStatus, InfoOut
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.delta import pack_delta
 from skillswarm.protocol.host import SwarmHost, freeze_startup_heap
@@ -60,23 +61,25 @@ class RoundResult:
 
 
 class CoordinatorClient:
-    """The few HTTP calls a node makes to the coordinator's /v1 API."""
+    """The few HTTP calls a node makes to the coordinator's /v1 API, answers parsed into the
+    models of skillswarm.protocol.api (a malformed answer raises pydantic's ValidationError)."""
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=30)
 
-    def info(self) -> dict:
+    def info(self) -> InfoOut:
         response = self._http.get("/v1/info")
         response.raise_for_status()
-        return response.json()
+        return InfoOut.model_validate(response.json())
 
-    def delta(self, delta_id: str) -> dict | None:
+    def delta(self, delta_id: str) -> DeltaOut | None:
+        """The coordinator's record of a delta; None while it has none."""
         response = self._http.get(f"/v1/deltas/{delta_id}")
         if response.status_code == 404:
             return None
         response.raise_for_status()
-        return response.json()
+        return DeltaOut.model_validate(response.json())
 
     def close(self) -> None:
         self._http.close()
@@ -144,13 +147,14 @@ class NodeDaemon:
         import torch
 
         torch.set_num_threads(self.config.torch_threads)
+        self._check_sandbox()
         answered, info = self._ask_while_away(self.client.info, "reach it", STARTUP_TIMEOUT_S)
         if not answered or info is None:  # stopped before the coordinator answered
             return []
         self.host = SwarmHost(
             self.key_pair,
             self.blobs,
-            topic=info["topic"],
+            topic=info.topic,
             listen_host=self.config.p2p_host,
             listen_port=self.config.p2p_port,
             deliver_gossip=False,  # a node publishes and relays gossip; it reads none
@@ -187,18 +191,43 @@ class NodeDaemon:
             self.host.stop()
             self.client.close()
 
-    def _connect(self, info: dict) -> None:
+    def _check_sandbox(self) -> None:
+        """A domain that runs model-written code needs the kernel sandbox (bubblewrap) unless the
+        config accepts the weaker one; either way /healthz reports the sandbox in force."""
+        from skillswarm.agent.envs import UnknownEnvironmentError, environment_class
+        from skillswarm.agent.sandbox import SandboxUnavailable, require_isolation
+
+        try:
+            runs_code = environment_class(self.config.domain).runs_model_code
+        except UnknownEnvironmentError as error:
+            raise NodeError(str(error)) from error
+        if not runs_code:
+            return
+        try:
+            isolation = require_isolation(accept_weak=self.config.allow_weak_sandbox)
+        except SandboxUnavailable as error:
+            raise NodeError(f"refusing to train {self.config.domain}: {error}") from error
+        if not isolation.kernel:
+            log.warning(
+                "the %s domain runs model-written code with only the %s sandbox "
+                "(allow_weak_sandbox = true): such code could read this node's key and files",
+                self.config.domain,
+                isolation,
+            )
+        self.status.update(sandbox={"isolation": str(isolation), "kernel": isolation.kernel})
+
+    def _connect(self, info: InfoOut) -> None:
         """Hold connections to the coordinator's peer and the bootstrap peers (redialled with
         backoff whenever they drop, for as long as the node runs); return once one is up."""
         assert self.host is not None
-        self._keep_connected([*info["multiaddrs"], *self.config.bootstrap_peers])
+        self._keep_connected([*info.multiaddrs, *self.config.bootstrap_peers])
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while not self.host.connected_peers():
             if self._stop.is_set():
                 return
             if time.monotonic() > deadline:
                 raise NodeError(
-                    f"could not reach the coordinator's peer at {info['multiaddrs']} or a "
+                    f"could not reach the coordinator's peer at {info.multiaddrs} or a "
                     f"bootstrap peer within {CONNECT_TIMEOUT_S:.0f} s"
                 )
             self._stop.wait(0.2)
@@ -211,14 +240,14 @@ class NodeDaemon:
             except Exception as exc:  # one unusable address is not fatal
                 log.warning("cannot dial %s: %s", addr, exc)
 
-    def run_round(self, info: dict) -> RoundResult | None:
+    def run_round(self, info: InfoOut) -> RoundResult | None:
         """Train one round on the current base and publish the delta; wait for the merge.
         Returns None when the daemon was stopped during training (its checkpoint is kept, and
         the next start resumes it). A delta already published for this round and base (the
         daemon restarted after publishing) is announced again instead of trained anew."""
         assert self.host is not None
-        number, base_id, revision = info["round"], info["base_id"], info["base_revision"]
-        self._keep_connected(info["multiaddrs"])  # the coordinator may listen elsewhere now
+        number, base_id, revision = info.round, info.base_id, info.base_revision
+        self._keep_connected(info.multiaddrs)  # the coordinator may listen elsewhere now
         kept = self._kept_delta(base_id, number)
         self._collect_garbage(
             keep_checkpoint=revision,
@@ -228,7 +257,7 @@ class NodeDaemon:
         self.status.update(phase="pulling", round=number, step=0)
         log.info("round=%d pulling base %s", number, base_id[:12])
         base_dir = self.config.work_dir / "checkpoints" / revision
-        if not self._pull_base(revision, base_dir, info["repo_id"]):
+        if not self._pull_base(revision, base_dir, info.repo_id):
             return None
         if kept is None:
             trained = self._train(number, base_id, base_dir)
@@ -249,9 +278,9 @@ class NodeDaemon:
         record = self._announce_until_recorded(signed)
         if record is None:
             return None
-        if record["status"] == "rejected":
+        if record.status == DeltaStatus.REJECTED:
             raise NodeError(
-                f"coordinator rejected delta {signed.manifest_id[:12]}: {record['reason']}"
+                f"coordinator rejected delta {signed.manifest_id[:12]}: {record.reason}"
             )
         self.status.update(phase="waiting for the merge")
         next_base = self._wait_for_next_base(base_id)
@@ -262,8 +291,8 @@ class NodeDaemon:
             number,
             base_id,
             signed.manifest_id,
-            record["status"],
-            record.get("reason"),
+            record.status,
+            record.reason,
             next_base,
             metrics,
         )
@@ -472,7 +501,7 @@ class NodeDaemon:
         )
         return path
 
-    def _announce_until_recorded(self, signed: SignedManifest) -> dict | None:
+    def _announce_until_recorded(self, signed: SignedManifest) -> DeltaOut | None:
         """Announce on gossip, again every few seconds, until the coordinator records a verdict
         (None when the daemon is stopped first)."""
         assert self.host is not None
@@ -496,18 +525,18 @@ class NodeDaemon:
             if not answered:
                 self._stop.wait(1.0)
                 continue
-            if record is not None and record.get("rejection_kind") == "fetch":
+            if record is not None and record.rejection_kind == "fetch":
                 # The coordinator could not download the blobs (a dropped link, say): it takes
                 # the next announcement again, so keep announcing and serving.
-                if record.get("reason") != last_fetch_failure:
-                    last_fetch_failure = record.get("reason")
+                if record.reason != last_fetch_failure:
+                    last_fetch_failure = record.reason
                     log.warning(
                         "coordinator could not fetch delta %s (%s); announcing again",
                         signed.manifest_id[:12],
                         last_fetch_failure,
                     )
             elif record is not None:
-                log.info("delta %s is %s", signed.manifest_id[:12], record["status"])
+                log.info("delta %s is %s", signed.manifest_id[:12], record.status)
                 return record
             self._stop.wait(1.0)
         if self._stop.is_set():
@@ -519,16 +548,16 @@ class NodeDaemon:
         outage = _Outage(self.client.url)
         while time.monotonic() < deadline and not self._stop.is_set():
             answered, info = outage.ask(self.client.info)
-            if not answered or info is None:  # info is a dict whenever it answered
+            if not answered or info is None:  # info is an InfoOut whenever it answered
                 self._stop.wait(2.0)
                 continue
-            if info["base_id"] != base_id:
+            if info.base_id != base_id:
                 log.info(
                     "merged checkpoint %s published (round %d)",
-                    info["base_id"][:12],
-                    info["round"] - 1,
+                    info.base_id[:12],
+                    info.round - 1,
                 )
-                return info["base_id"]
+                return info.base_id
             self._stop.wait(2.0)
         return None
 

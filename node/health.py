@@ -1,6 +1,6 @@
 """The node daemon's health and metrics endpoint: `GET /healthz` (JSON: phase, round, step, last
-reward, seconds since the last progress) and `GET /metrics` (Prometheus text format), served by a
-small threaded HTTP server beside the daemon."""
+reward, the code sandbox in force, seconds since the last progress) and `GET /metrics`
+(Prometheus text format), served by a small threaded HTTP server beside the daemon."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class NodeStatus:
             "round": None,
             "step": None,
             "reward": None,
+            "sandbox": None,
         }
         self._last_progress = time.monotonic()
         self.round = Gauge("skillswarm_node_round", "round being trained", registry=self.registry)

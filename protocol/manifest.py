@@ -15,6 +15,7 @@ import msgpack
 from libp2p.crypto.keys import KeyPair
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from skillswarm.protocol import identity
+from skillswarm.protocol.canonical import WireCount, canonical_packb
 
 MANIFEST_SCHEMA = "skillswarm.delta/1"
 MAX_MANIFEST_BYTES = 512 * 1024
@@ -34,13 +35,13 @@ class TensorEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     blob: str = Field(pattern=r"^[0-9a-f]{64}$")
-    offset: int = Field(ge=0)
-    length: int = Field(ge=0)
+    offset: WireCount
+    length: WireCount
     encoding: Literal["dense", "sparse", "int8"]
     dtype: Literal["F32", "BF16", "F16"]
-    shape: tuple[Annotated[int, Field(ge=0)], ...] = Field(max_length=8)
-    nnz: int = Field(default=0, ge=0, description="changed elements (sparse)")
-    index_bytes: int = Field(default=0, ge=0, description="compressed index length (sparse)")
+    shape: tuple[WireCount, ...] = Field(max_length=8)
+    nnz: WireCount = Field(default=0, description="changed elements (sparse)")
+    index_bytes: WireCount = Field(default=0, description="compressed index length (sparse)")
     scale: float | None = Field(default=None, description="quantisation step (int8, lossy)")
 
     @model_validator(mode="after")
@@ -77,12 +78,12 @@ class DeltaManifest(BaseModel):
     public_key: bytes = Field(max_length=256)
     domain: str = Field(max_length=64)
     base_id: str = Field(pattern=r"^[0-9a-f]{64}$")
-    round: int = Field(ge=0)
-    steps: int = Field(ge=0)
+    round: WireCount
+    steps: WireCount
     created_at: str = Field(max_length=64)
     metrics: dict[str, float] = Field(default_factory=dict)
     lossy: bool = Field(default=False, description="true if any tensor is not rebuilt exactly")
-    blobs: dict[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")], int] = Field(
+    blobs: dict[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")], WireCount] = Field(
         description="blob sha256 -> size in bytes"
     )
     tensors: dict[str, TensorEntry]
@@ -118,7 +119,7 @@ class DeltaManifest(BaseModel):
     def encode(self) -> bytes:
         """Canonical msgpack bytes (sorted keys) of this manifest."""
         data = self.model_dump(by_alias=True, mode="python")
-        return msgpack.packb(_sorted(data), use_bin_type=True)
+        return canonical_packb(data)
 
     @classmethod
     def decode(cls, raw: bytes) -> DeltaManifest:
@@ -134,17 +135,9 @@ class DeltaManifest(BaseModel):
                 for error in exc.errors()[:5]
             )
             raise ManifestError(f"malformed delta manifest: {problems}") from exc
-        except (ValueError, msgpack.ExtraData, TypeError) as exc:
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise ManifestError(f"malformed delta manifest: {exc}") from exc
         return manifest
-
-
-def _sorted(value: object) -> object:
-    if isinstance(value, dict):
-        return {k: _sorted(value[k]) for k in sorted(value)}
-    if isinstance(value, list | tuple):
-        return [_sorted(v) for v in value]
-    return value
 
 
 class SignedManifest(BaseModel):

@@ -10,6 +10,7 @@ from typing import Literal
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from skillswarm.protocol.canonical import WireCount
 from skillswarm.protocol.manifest import MAX_MANIFEST_BYTES, SignedManifest
 
 MESSAGE_VERSION = 1
@@ -43,7 +44,7 @@ class CheckpointPublished(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     type: Literal["checkpoint_published"] = "checkpoint_published"
     checkpoint_id: str = Field(pattern=r"^[0-9a-f]{64}$")
-    round: int = Field(ge=0)
+    round: WireCount
     parent: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
 
@@ -53,8 +54,8 @@ class NodeHeartbeat(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     type: Literal["node_heartbeat"] = "node_heartbeat"
     domain: str = Field(max_length=64)
-    round: int = Field(ge=0)
-    step: int = Field(ge=0)
+    round: WireCount
+    step: WireCount
     reward: float | None = None
 
 
@@ -76,20 +77,32 @@ def encode_message(body: GossipBody) -> bytes:
 
 
 def decode_message(raw: bytes) -> GossipBody:
-    """Decode and validate one gossip payload; raises MessageError or UnknownMessage."""
+    """Decode and validate one gossip payload. Whatever the bytes, it returns a typed message or
+    raises MessageError (UnknownMessage for a well-formed envelope of a type or version this peer
+    does not speak), nothing else."""
     if len(raw) > MAX_GOSSIP_BYTES:
         raise MessageError(f"gossip message of {len(raw)} bytes exceeds {MAX_GOSSIP_BYTES}")
     try:
         envelope = msgpack.unpackb(raw, raw=False, max_map_len=64, max_array_len=1024)
-    except (ValueError, msgpack.ExtraData, TypeError) as exc:
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise MessageError(f"gossip payload is not msgpack: {exc}") from exc
     if not isinstance(envelope, dict) or not isinstance(envelope.get("body"), dict):
         raise MessageError("gossip payload is not an envelope with a body")
     version = envelope.get("v")
     kind = envelope["body"].get("type")
+    if not isinstance(kind, str) or type(version) is not int:
+        raise MessageError("gossip envelope's type or version is not a string and an integer")
     if version != MESSAGE_VERSION or kind not in _TYPES:
-        raise UnknownMessage(f"unknown gossip message type={kind!r} version={version!r}")
+        raise UnknownMessage(f"unknown gossip message type={kind[:64]!r} version={version!r}")
     try:
         return _TYPES[kind].model_validate(envelope["body"])  # type: ignore[return-value]
     except ValidationError as exc:
-        raise MessageError(f"invalid {kind} message: {exc}") from exc
+        raise MessageError(f"invalid {kind} message: {_first_errors(exc)}") from exc
+
+
+def _first_errors(exc: ValidationError) -> str:
+    """The first few problems, each with its field: short enough for a log line."""
+    return "; ".join(
+        f"{'.'.join(map(str, error['loc'])) or 'body'}: {error['msg']}"
+        for error in exc.errors()[:3]
+    )

@@ -23,7 +23,7 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
-from skillswarm.merge.checkpoint import (
+from skillswarm.protocol.checkpoint import (
     CHECKPOINT_ID_PATTERN,
     HASH_CHUNK_BYTES,
     MANIFEST_FILE_NAME,

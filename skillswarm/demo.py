@@ -186,6 +186,7 @@ def write_configs(
             seed=i + 1,
             rounds=rounds,
             train=train,
+            allow_weak_sandbox=True,  # a laptop may lack bubblewrap; the node warns at start
         )
         node_tomls.append(write_toml_config(node, workdir / f"node-{i}.toml"))
     return coordinator_toml, node_tomls, url

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from skillswarm.coordinator.service import Coordinator
 from skillswarm.coordinator.store import DeltaRecord
-from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.delta import pack_delta
 from skillswarm.protocol.identity import KeyPair, peer_id_of, public_key_bytes

@@ -416,7 +416,8 @@ def test_serve_runs_a_model_folder_as_an_endpoint(
     port = free_port()
     log_path = tmp_path / "serve.log"
     script = (
-        "import sys, torch; torch.set_num_threads(1); from skillswarm.agent.openai_server import serve; "
+        "import sys, torch; torch.set_num_threads(1); "
+        "from skillswarm.agent.openai_server import serve; "
         "serve(sys.argv[1], port=int(sys.argv[2]), api_key='serve-key')"
     )
     with log_path.open("wb") as log:

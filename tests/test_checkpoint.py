@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from skillswarm.merge.checkpoint import (
+from skillswarm.protocol.checkpoint import (
     MANIFEST_FILE_NAME,
     MAX_MANIFEST_BYTES,
     CheckpointError,

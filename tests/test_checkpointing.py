@@ -367,8 +367,12 @@ TRAINER_SCRIPT = textwrap.dedent(
     import numpy as np
     import torch
 
-    from skillswarm.node.checkpointing import TrainingState, load_training_checkpoint, save_training_checkpoint
     from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
+    from skillswarm.node.checkpointing import (
+        TrainingState,
+        load_training_checkpoint,
+        save_training_checkpoint,
+    )
 
 
     def train(checkpoints: Path | None, total_steps: int) -> dict[str, torch.Tensor]:

@@ -43,6 +43,21 @@ def test_bad_config_is_a_clear_error(tmp_path: Path):
     assert "does not exist" in missing.stderr
 
 
+def test_a_coordinator_without_a_base_checkpoint_says_how_to_make_one(tmp_path: Path):
+    """The coordinator never trains a base itself: with an empty registry and no usable
+    base_checkpoint it exits before serving, naming the command that builds one."""
+    work = tmp_path / "work"
+    for base, why in ((None, "is not set"), (tmp_path / "empty", "has no config.json")):
+        config = CoordinatorConfig(
+            work_dir=work, p2p_host="127.0.0.1", p2p_port=0, http_port=0, base_checkpoint=base
+        )
+        toml = write_toml_config(config, tmp_path / "coordinator.toml")
+        result = _cli("coordinator", "serve", "--config", str(toml))
+        assert result.returncode == 1, result.stderr
+        assert why in result.stderr and "skillswarm bootstrap DIR" in result.stderr
+        assert not (work / "registry").exists() or not any((work / "registry").rglob("*.json"))
+
+
 def test_config_round_trip_and_unknown_fields(tmp_path: Path):
     node = NodeConfig(domain="math", rounds=3)
     assert load_toml_config(write_toml_config(node, tmp_path / "n.toml"), NodeConfig) == node

@@ -11,9 +11,10 @@ import msgpack
 import pytest
 import torch
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
-from skillswarm.coordinator.service import Coordinator, record_id
+from skillswarm.coordinator.intake import record_id
+from skillswarm.coordinator.service import Coordinator
 from skillswarm.coordinator.store import DeltaRecord, NodeRecord
-from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.delta import pack_delta
 from skillswarm.protocol.host import SwarmHost
@@ -101,7 +102,7 @@ def _wait_log(caplog, text: str, timeout: float = 30) -> None:
 
 def test_forged_and_misattributed_deltas_refused_honest_one_accepted(tmp_path, coordinator, caplog):
     c = coordinator
-    caplog.set_level(logging.INFO, logger="skillswarm.coordinator.service")
+    caplog.set_level(logging.INFO, logger="skillswarm.coordinator.intake")
     base = c.current_base()
     base_dir = c.registry.checkpoint_dir(base)
     alice_key, alice_store, alice = _peer(tmp_path, "alice", c.config.topic)
@@ -226,7 +227,7 @@ def test_a_delta_whose_blobs_could_not_be_fetched_is_taken_again_when_reannounce
     tmp_path, coordinator, caplog
 ):
     c = coordinator
-    caplog.set_level(logging.INFO, logger="skillswarm.coordinator.service")
+    caplog.set_level(logging.INFO, logger="skillswarm.coordinator.intake")
     base = c.current_base()
     key, store, peer = _peer(tmp_path, "dave", c.config.topic)
     try:
@@ -253,7 +254,7 @@ def test_a_delta_whose_blobs_could_not_be_fetched_is_taken_again_when_reannounce
         assert not any(c.blobs.has(sha) for sha in manifest.blobs)
 
         # Once the cooldown has passed, an announcement is fetched, checked and accepted.
-        c.fetch_retry_cooldown_s = 0.0
+        c.intake.fetch_retry_cooldown_s = 0.0
         _announce(peer, signed)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -364,7 +365,7 @@ def test_peer_not_on_the_allow_list_is_refused_before_fetching(tmp_path, tiny_ba
         for sha in manifest.blobs:
             peer.serve_blob(sha)
         signed = sign_manifest(manifest, key)
-        caplog.set_level(logging.DEBUG, logger="skillswarm.coordinator.service")
+        caplog.set_level(logging.DEBUG, logger="skillswarm.coordinator.intake")
         peer.publish(encode_message(NodeHeartbeat(domain="math", round=1, step=3, reward=0.5)))
         _wait_log(caplog, f"ignored a heartbeat: peer {peer.peer_id} is not on the allow-list")
         _announce(peer, signed)

@@ -197,6 +197,7 @@ def test_systemd_unit_restarts_stops_gracefully_and_runs_unprivileged():
 @pytest.mark.parametrize("image", sorted(DOCKERFILES))
 def test_images_copy_real_paths_and_run_a_real_command_unprivileged(image: str):
     instructions = _dockerfile(DOCKERFILES[image])
+    copied: set[str] = set()
     for keyword, arguments in instructions:
         if keyword not in ("COPY", "ADD"):
             continue
@@ -207,6 +208,10 @@ def test_images_copy_real_paths_and_run_a_real_command_unprivileged(image: str):
         assert sources, arguments
         for source in sources:
             assert (ROOT / source).exists(), f"{DOCKERFILES[image].name} copies missing {source}"
+            copied.update(sources)
+    # `pip install .` in the image needs every folder the package is built from.
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert set(package_dirs["package-dir"].values()) <= copied, DOCKERFILES[image].name
     final = _final_stage(instructions)
     path, params = _resolve_cli(json.loads(_only(final, "CMD")))
     assert path == {"coordinator": ("coordinator", "serve"), "node": ("node", "run")}[image]

@@ -25,7 +25,7 @@ from skillswarm.coordinator.gates import (
 )
 from skillswarm.coordinator.service import Coordinator
 from skillswarm.coordinator.store import DeltaRecord
-from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.delta import DeltaReader, pack_delta
 from skillswarm.protocol.identity import (

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
 import logging
-import mmap
 import os
 import queue
-import socket
 import struct
 import subprocess
 import sys
@@ -26,15 +23,11 @@ import pytest
 import skillswarm.protocol.host as host_module
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost, INetStream, IRawConnection
+from libp2p.abc import IHost, INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
-from libp2p.io.exceptions import ConnectionClosedError
-from libp2p.io.trio import TrioTCPStream
-from libp2p.network.connection.exceptions import RawConnError
-from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.exceptions import SwarmException
 from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 from libp2p.peer.id import ID
@@ -50,7 +43,6 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import encode_uvarint
 from skillswarm.protocol.blobstore import BlobCorrupted, BlobStore
-from skillswarm.protocol.directio import supports_direct_io
 from skillswarm.protocol.host import (
     BLOB_CHUNK_BYTES,
     BLOB_PROTOCOL_ID,
@@ -62,8 +54,6 @@ from skillswarm.protocol.host import (
     HostStartError,
     PeerConnectError,
     SwarmHost,
-    _CancelSafeRawConnection,
-    _read_cached,
 )
 from skillswarm.protocol.identity import load_or_create_identity
 
@@ -475,52 +465,6 @@ def test_fetched_blob_is_byte_identical(hosts: list[SwarmHost]) -> None:
     assert a.bytes_served == served
 
 
-def _cached_pages(path: Path) -> list[int]:
-    """The pages of `path` the page cache holds, by mincore(2) on a mapping of it: a query that
-    reads nothing (a read with RWF_NOWAIT may start the disk read it declines to wait for, and
-    on a fast disk find the page there at once)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    size = path.stat().st_size
-    pages = -(-size // mmap.PAGESIZE)
-    residency = (ctypes.c_ubyte * pages)()
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, descriptor, 0)
-        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        try:
-            assert libc.mincore(address, size, residency) == 0, os.strerror(ctypes.get_errno())
-        finally:
-            libc.munmap(address, size)
-    finally:
-        os.close(descriptor)
-    return [page for page in range(pages) if residency[page] & 1]
-
-
-def test_a_fetched_blob_is_written_around_the_page_cache(hosts: list[SwarmHost]) -> None:
-    """Downloads go to disk with O_DIRECT where the file system takes it: a blob fetched is not
-    left in the page cache, where it would evict what the trainer or the merge is using."""
-    a, b, _ = hosts
-    if not sys.platform.startswith("linux") or not supports_direct_io(b.blob_store.root):
-        pytest.skip("no O_DIRECT in the temp dir, or no mincore to ask the page cache with")
-    sha256, data = new_blob(a.blob_store, 3 * (1 << 20))
-    a.serve_blob(sha256)
-    path = b.fetch_blob(a.peer_id, sha256, len(data))
-    assert _cached_pages(path) == []
-    assert path.read_bytes() == data
-    assert _cached_pages(path)  # the query sees pages a read brought in
-
-
 def test_blob_not_served_is_refused(hosts: list[SwarmHost]) -> None:
     a, b, _ = hosts
     sha256, data = new_blob(a.blob_store, 1000)  # in a's store but never announced
@@ -591,9 +535,9 @@ def test_corrupted_partial_is_detected_and_a_refetch_succeeds(hosts: list[SwarmH
 def test_a_blob_that_ends_early_while_served_fails_the_fetch_and_its_prefix_is_kept(
     hosts: list[SwarmHost], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The server reads a blob ahead of sending it. When its file ends before the length it
-    offered (here after the first chunk), it sends what it read and resets the stream: the
-    fetch fails, the client keeps exactly those bytes, and a later fetch resumes after them."""
+    """When a served file ends before the length its server offered (here after the first
+    chunk), the server sends what it read and resets the stream: the fetch fails, the client
+    keeps exactly those bytes, and a later fetch resumes after them."""
     a, b, _ = hosts
     sha256, data = new_blob(a.blob_store, 3 * BLOB_CHUNK_BYTES + 5)
     a.serve_blob(sha256)
@@ -604,13 +548,13 @@ def test_a_blob_that_ends_early_while_served_fails_the_fetch_and_its_prefix_is_k
 
     class EndsAfterOneChunk:
         """The served file as the server sees it when opening it (its size), whose bytes then
-        end after the first chunk: the server reads through the descriptor."""
+        end after the first chunk."""
 
         def __init__(self, file: Any) -> None:
             self._file, self._short = file, real_open(first_chunk, "rb")
 
-        def fileno(self) -> int:
-            return self._short.fileno()
+        def read(self, size: int = -1) -> bytes:
+            return self._short.read(size)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._file, name)
@@ -743,185 +687,6 @@ def test_blob_wire_protocol_bounds_requests_and_streams_per_peer(tmp_path: Path)
         trio.run(exercise)
 
 
-def test_a_served_blob_the_page_cache_does_not_hold_is_read_in_a_worker_thread(
-    hosts: list[SwarmHost], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The server copies what the page cache holds at once and leaves a read that needs the
-    disk to a worker thread (here every read, as if nothing were cached): the blob still
-    arrives byte for byte, and the event loop never ran a read itself."""
-    a, b, _ = hosts
-    sha256, data = new_blob(a.blob_store, 2 * BLOB_CHUNK_BYTES + 7)
-    a.serve_blob(sha256)
-    loop_thread = a._thread  # type: ignore[attr-defined]
-    reader_threads: list[threading.Thread] = []
-    real_preadv = os.preadv
-
-    def recording_preadv(*args: Any) -> int:
-        reader_threads.append(threading.current_thread())
-        return real_preadv(*args)
-
-    monkeypatch.setattr(host_module, "_read_cached", lambda *args: 0)
-    monkeypatch.setattr(host_module.os, "preadv", recording_preadv)
-    assert b.fetch_blob(a.peer_id, sha256, len(data)).read_bytes() == data
-    assert len(reader_threads) >= 3
-    assert loop_thread not in reader_threads
-
-
-def test_reading_what_the_page_cache_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = os.urandom(100_000)
-    path = tmp_path / "blob"
-    path.write_bytes(data)
-    target = memoryview(bytearray(64 << 10))
-    with open(path, "rb") as blob_file:
-        descriptor = blob_file.fileno()
-        first = _read_cached(descriptor, target, 0)
-        if first == 0:  # the file was just written: only a missing RWF_NOWAIT reads nothing
-            pytest.skip("no RWF_NOWAIT reads on this system or file system")
-        assert first == len(target)
-        assert bytes(target) == data[: len(target)]
-        assert _read_cached(descriptor, target, 90_000) == 10_000
-        assert bytes(target[:10_000]) == data[90_000:]
-        assert _read_cached(descriptor, target, len(data)) == 0
-        monkeypatch.setattr(host_module, "_RWF_NOWAIT", None)  # a system without it
-        target[:] = bytes(len(target))
-        assert _read_cached(descriptor, target, 0) == 0
-        assert bytes(target) == bytes(len(target))  # nothing was read
-
-
-# Connection reads and writes
-
-
-def test_a_connection_reports_its_end_its_reset_and_its_local_close() -> None:
-    async def exercise() -> list[Any]:
-        seen: list[Any] = []
-        async with tcp_connection_pair() as (connection, far_end):
-            await far_end.send_all(b"last words")
-            await far_end.aclose()
-            with trio.fail_after(DELIVERY_TIMEOUT_S):
-                seen.append(await connection.read(1 << 20))
-                seen.append(await connection.read(1 << 20))  # the peer's end
-        async with tcp_connection_pair() as (connection, far_end):
-            far_end.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            await far_end.aclose()  # an abortive close: the peer resets the connection
-            with trio.fail_after(DELIVERY_TIMEOUT_S), pytest.raises(ConnectionClosedError):
-                while True:  # the first write may still be accepted before the reset lands
-                    await connection.write(os.urandom(1 << 20))
-                    await trio.sleep(0.01)
-            seen.append("reset raised")
-        async with tcp_connection_pair() as (connection, far_end):
-            async with trio.open_nursery() as nursery:
-
-                async def read_until_closed() -> None:
-                    seen.append(await connection.read(1 << 20))
-
-                nursery.start_soon(read_until_closed)
-                await trio.sleep(0.1)  # the reader waits for the socket now
-                with trio.fail_after(DELIVERY_TIMEOUT_S):
-                    await connection.close()  # wakes it with the end
-        async with tcp_connection_pair() as (connection, far_end):
-            await connection.close()
-            seen.append(await connection.read(1 << 20))  # closed here: the end
-            await connection.write(b"dropped")  # as py-libp2p's TCP stream, dropped
-            with trio.fail_after(DELIVERY_TIMEOUT_S):
-                seen.append(await far_end.receive_some(1 << 20))
-        return seen
-
-    assert trio.run(exercise) == [b"last words", b"", "reset raised", b"", b"", b""]
-
-
-@pytest.mark.parametrize(
-    ("yield_bytes", "yield_calls"), [(8 << 10, 1 << 30), (1 << 40, 4)], ids=["bytes", "calls"]
-)
-def test_a_connection_that_never_waits_to_read_still_lets_other_tasks_run(
-    monkeypatch: pytest.MonkeyPatch, yield_bytes: int, yield_calls: int
-) -> None:
-    """Reads that always find bytes ready pass a schedule point every RAW_YIELD_BYTES, or
-    every RAW_YIELD_CALLS reads (small frames): a peer that keeps the socket full cannot
-    starve the rest of the host."""
-    monkeypatch.setattr(host_module, "RAW_READ_BYTES", 2 << 10)
-    monkeypatch.setattr(host_module, "RAW_YIELD_BYTES", yield_bytes)
-    monkeypatch.setattr(host_module, "RAW_YIELD_CALLS", yield_calls)
-    payload = os.urandom(48 << 10)  # within what the kernel buffers with nobody reading
-
-    async def read_while_another_task_counts() -> tuple[bytes, list[str]]:
-        events: list[str] = []
-        async with tcp_connection_pair() as (connection, far_end):
-            with trio.fail_after(DELIVERY_TIMEOUT_S):
-                await far_end.send_all(payload)
-                await trio.sleep(0.2)  # all of it waits in the near end's buffer now
-            received = bytearray()
-
-            async def count() -> None:
-                while True:
-                    events.append("other")
-                    await trio.sleep(0)
-
-            async with trio.open_nursery() as nursery:
-                received += await connection.read(2 << 10)  # the reader runs first from here
-                nursery.start_soon(count)
-                while len(received) < len(payload):
-                    received += await connection.read(2 << 10)
-                    events.append("read")
-                nursery.cancel_scope.cancel()
-        return bytes(received), events
-
-    received, events = trio.run(read_while_another_task_counts)
-    assert received == payload
-    assert 0 < events.index("other") < events.count("read") - 1
-
-
-# Connection writes under cancellation
-
-
-def test_a_connection_write_cancelled_midway_still_sends_every_byte() -> None:
-    """Noise spends a nonce per message, so a write cut short would kill the connection."""
-    message = os.urandom(32 << 20)  # more than the socket buffers hold: the write must wait
-
-    async def cancel_while_writing() -> tuple[bytes, list[str]]:
-        events: list[str] = []
-
-        async def write(connection: IRawConnection, task_status: Any) -> None:
-            with trio.CancelScope() as writer_scope:
-                task_status.started(writer_scope)
-                await connection.write(message)
-                events.append("write returned")
-                await trio.sleep(0)  # the cancellation takes effect at this checkpoint
-                events.append("not cancelled")
-            if writer_scope.cancelled_caught:
-                events.append("cancelled")
-
-        async with tcp_connection_pair() as (connection, far_end), trio.open_nursery() as nursery:
-            writer_scope = await nursery.start(write, connection)
-            received = bytearray()
-            with trio.fail_after(DELIVERY_TIMEOUT_S):
-                while len(received) < len(message):
-                    received.extend(await far_end.receive_some(1 << 20))
-                    writer_scope.cancel()  # lands while the write is still under way
-        return bytes(received), events
-
-    received, events = trio.run(cancel_while_writing)
-    assert events == ["write returned", "cancelled"]
-    assert received == message
-
-
-def test_a_connection_that_accepts_nothing_is_closed_after_the_stall_timeout(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(host_module, "RAW_WRITE_STALL_TIMEOUT_S", 0.5)
-
-    async def write_to_a_peer_that_never_reads() -> int:
-        async with tcp_connection_pair() as (connection, far_end):
-            with pytest.raises(RawConnError, match="accepted less than"):
-                await connection.write(os.urandom(32 << 20))
-            drained = 0
-            with trio.fail_after(DELIVERY_TIMEOUT_S):
-                while chunk := await far_end.receive_some(1 << 20):  # ends: the writer closed
-                    drained += len(chunk)
-            return drained
-
-    assert 0 < trio.run(write_to_a_peer_that_never_reads) < 32 << 20
-
-
 # Raw libp2p helpers
 
 
@@ -940,16 +705,6 @@ async def raw_peer(
     host = new_host(key_pair=key_pair, sec_opt=security, muxer_opt={YAMUX_PROTOCOL_ID: Yamux})
     async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
         yield host
-
-
-@asynccontextmanager
-async def tcp_connection_pair() -> AsyncIterator[tuple[IRawConnection, trio.SocketStream]]:
-    """SwarmHost's cancel-safe raw connection over real TCP on 127.0.0.1, and the far end."""
-    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    async with listener:
-        near_end = await trio.open_tcp_stream("127.0.0.1", listener.socket.getsockname()[1])
-        async with near_end, await listener.accept() as far_end:
-            yield _CancelSafeRawConnection(RawConnection(TrioTCPStream(near_end), True)), far_end
 
 
 async def read_exactly(stream: INetStream, count: int) -> bytes:

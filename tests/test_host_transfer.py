@@ -13,11 +13,10 @@ import hashlib
 import logging
 import os
 import queue
-import random
 import shutil
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,34 +27,19 @@ import multiaddr
 import pytest
 import torch
 import trio
-from libp2p.io.trio import TrioTCPStream
-from libp2p.network.connection.raw_connection import RawConnection
-from libp2p.peer.id import ID
+from skillswarm.protocol import blobwire
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.delta import DeltaReader, pack_delta
 from skillswarm.protocol.host import (
-    BLOB_CHUNK_BYTES,
-    BLOB_PROTOCOL_ID,
-    BLOB_SEND_BUFFERS,
-    BLOB_WRITE_BUFFERS,
-    MAX_BLOB_RESPONSE_HEADER_BYTES,
-    NOISE_MAX_PLAINTEXT_BYTES,
     AllHoldersFailed,
     BlobFetchError,
     HostNotRunning,
     PeerConnectError,
     SwarmHost,
-    _BatchedNoiseSession,
-    _BatchedYamuxStream,
-    _CancelSafeRawConnection,
-    _frame,
-    _PartialWriter,
-    _read_frame,
-    _read_into,
-    _StreamBuffer,
 )
 from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
 from skillswarm.protocol.manifest import DeltaManifest
+from skillswarm.protocol.partial import PartialDownload
 
 # The module's ~100 MB delta is packed in the first test's setup (~20 s), which counts too.
 pytestmark = pytest.mark.timeout(240)
@@ -470,121 +454,7 @@ def test_keep_connected_refuses_unusable_addresses(tmp_path: Path) -> None:
         watcher.keep_connected([])
 
 
-# Receiving straight into the reader's buffer
-
-
-def test_a_blob_stream_is_opened_straight_into_the_readers_buffers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Between two SwarmHosts the payload's Noise messages are opened in the buffers a download
-    lends to its stream; only what arrives before the first is lent goes through the stream's
-    own buffer. A frame that began arriving in the stream's buffer before the first buffer
-    was lent goes on in the lent buffers, so a download never falls back to copying whole."""
-    opened_in_place = [0]
-    open_into = _BatchedNoiseSession._open_into
-
-    def counting_open_into(session: Any, sealed: memoryview, target: memoryview) -> None:
-        open_into(session, sealed, target)
-        opened_in_place[0] += len(target)
-
-    monkeypatch.setattr(_BatchedNoiseSession, "_open_into", counting_open_into)
-    data = os.urandom(32 << 20)
-    blob = Blob(hashlib.sha256(data).hexdigest(), data)
-    with make_host(tmp_path, "server") as server, make_host(tmp_path, "client") as client:
-        holder_of(blob, server)
-        peer = client.connect(server.listen_addrs[0])
-        assert client.fetch_blob(peer, blob.sha256, blob.size).read_bytes() == data
-    assert opened_in_place[0] >= blob.size * 9 // 10, f"{opened_in_place[0]} bytes in place"
-
-
-def test_buffers_taken_back_mid_transfer_hold_a_prefix_and_are_left_alone(tmp_path: Path) -> None:
-    """Buffers lent to a blob stream are taken back while the peer is still sending into them:
-    `reclaim` counts the bytes they received, which continue the blob in lending order; plain
-    reads then go on exactly where those end; and no taken-back buffer changes afterwards."""
-    data = os.urandom(8 << 20)
-    blob = Blob(hashlib.sha256(data).hexdigest(), data)
-    sizes = [
-        100_000,
-        NOISE_MAX_PLAINTEXT_BYTES,
-        BLOB_CHUNK_BYTES,
-        3 * NOISE_MAX_PLAINTEXT_BYTES + 5,
-    ]
-    pauses = [0.0, 1e-4, 1e-3, 1e-2]
-
-    async def take_back_after(host: SwarmHost, peer: str, pause: float) -> int:
-        assert host._host is not None
-        stream = await host._host.new_stream(ID.from_base58(peer), [BLOB_PROTOCOL_ID])
-        request = {"sha256": blob.sha256, "offset": 0, "length": blob.size}
-        await stream.write(_frame(msgpack.packb(request)))
-        assert (await _read_frame(stream, MAX_BLOB_RESPONSE_HEADER_BYTES))["ok"]
-        muxed = stream.muxed_stream
-        assert isinstance(muxed, _BatchedYamuxStream)
-        received = bytearray()
-        while muxed.has_buffered():  # what came before anything was lent comes first
-            chunk = bytearray(BLOB_CHUNK_BYTES)
-            received += chunk[: muxed.take_buffered_into(memoryview(chunk))]
-        buffers = [bytearray(size) for size in sizes]
-        for buffer in buffers:
-            muxed.lend(memoryview(buffer))
-        with trio.fail_after(TRANSFER_TIMEOUT_S):
-            await muxed.grant_lent_space()
-            first = await muxed.next_filled()
-            assert first is not None and first.obj is buffers[0]
-            await trio.sleep(pause)
-        arrived = muxed.reclaim()
-        snapshots = [bytes(buffer) for buffer in buffers]
-        received += buffers[0] + b"".join(buffers[1:])[:arrived]
-        with trio.fail_after(TRANSFER_TIMEOUT_S):
-            while len(received) < blob.size:
-                chunk = bytearray(BLOB_CHUNK_BYTES)
-                received += chunk[: await _read_into(stream, memoryview(chunk))]
-        await stream.close()
-        assert received == data
-        assert [bytes(buffer) for buffer in buffers] == snapshots
-        return arrived
-
-    with make_host(tmp_path, "server") as server, make_host(tmp_path, "client") as client:
-        holder_of(blob, server)
-        peer = client.connect(server.listen_addrs[0])
-        arrivals = [client._call(take_back_after, client, peer, pause) for pause in pauses]
-    assert any(arrivals), "no bytes reached the later buffers before they were taken back"
-
-
-def test_downloads_and_blob_servers_reuse_their_buffers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The buffers of a download and of the blob server that fed it go back to the process's
-    pool when the transfer ends, and the next transfers take them instead of new memory; every
-    blob still arrives intact."""
-    import skillswarm.protocol.directio as directio
-    import skillswarm.protocol.host as host_module
-
-    pool = host_module._TRANSFER_BUFFERS
-    pool.take(pool.idle)  # start with none kept
-    mapped: list[int] = []
-    real_aligned_buffers = directio.aligned_buffers
-
-    def counting_aligned_buffers(count: int, size: int) -> list[memoryview]:
-        mapped.append(count)
-        return real_aligned_buffers(count, size)
-
-    monkeypatch.setattr(directio, "aligned_buffers", counting_aligned_buffers)
-    blobs = []
-    for size in (3 * BLOB_CHUNK_BYTES + 5, 2 * BLOB_CHUNK_BYTES + 7, 100):
-        data = os.urandom(size)
-        blobs.append(Blob(hashlib.sha256(data).hexdigest(), data))
-    with make_host(tmp_path, "server") as server, make_host(tmp_path, "client") as client:
-        for blob in blobs:
-            holder_of(blob, server)
-        peer = client.connect(server.listen_addrs[0])
-        first, *rest = blobs
-        assert client.fetch_blob(peer, first.sha256, first.size).read_bytes() == first.data
-        wait_for(lambda: pool.idle == BLOB_WRITE_BUFFERS + BLOB_SEND_BUFFERS, 10, "buffers back")
-        assert sum(mapped) == BLOB_WRITE_BUFFERS + BLOB_SEND_BUFFERS
-        for blob in rest:
-            assert client.fetch_blob(peer, blob.sha256, blob.size).read_bytes() == blob.data
-        wait_for(lambda: pool.idle == BLOB_WRITE_BUFFERS + BLOB_SEND_BUFFERS, 10, "buffers back")
-    assert sum(mapped) == BLOB_WRITE_BUFFERS + BLOB_SEND_BUFFERS  # none mapped after the first
+# Cancelled downloads
 
 
 def test_downloads_cancelled_at_any_point_keep_a_correct_prefix(tmp_path: Path) -> None:
@@ -611,211 +481,68 @@ def test_downloads_cancelled_at_any_point_keep_a_correct_prefix(tmp_path: Path) 
     assert any(0 < size < blob.size for size in kept), kept
 
 
-# Buffered connection reads (every blob byte passes through them)
+# The partial download and the wire format
 
 
-def test_buffered_connection_reads_return_every_byte_in_order_and_never_more_than_asked() -> None:
-    payload = os.urandom(700_000)
-    asked = [2, 5, 300_000, None, 1, 65_535]
+def test_a_partial_download_resumes_where_it_stopped_and_a_failed_write_leaves_a_prefix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = os.urandom(3 << 20)
+    sha256 = hashlib.sha256(data).hexdigest()
+    store = BlobStore(tmp_path / "blobs")
+    with PartialDownload(store, sha256) as partial:
+        assert partial.have == 0
+        partial.append(data[: 1 << 20])
+    partial = PartialDownload(store, sha256)  # a later attempt: resumes from the file
+    assert partial.have == 1 << 20
 
-    async def read_everything() -> list[tuple[int | None, bytes]]:
-        (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        async with listener:
-            near_end = await trio.open_tcp_stream("127.0.0.1", listener.socket.getsockname()[1])
-            async with near_end, await listener.accept() as far_end:
-                connection = _CancelSafeRawConnection(RawConnection(TrioTCPStream(near_end), True))
+    class FullDisk:
+        def __init__(self, file: Any) -> None:
+            self._file = file
 
-                async def send_payload() -> None:
-                    await far_end.send_all(payload)
-                    await far_end.send_eof()
-
-                reads = []
-                with trio.fail_after(DELIVERY_TIMEOUT_S):
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(send_payload)
-                        for n in asked:
-                            reads.append((n, await connection.read(n)))
-                        while chunk := await connection.read(65_535):
-                            reads.append((65_535, chunk))
-                return reads
-
-    reads = trio.run(read_everything)
-    assert b"".join(data for _, data in reads) == payload
-    assert all(0 < len(data) <= (n or len(payload)) for n, data in reads)
-
-
-# Yamux stream buffers (every received blob byte waits in one)
-
-
-def test_stream_buffer_answers_as_a_bytearray_would_and_keeps_no_mutable_input() -> None:
-    rng = random.Random(3)
-    buffer, reference = _StreamBuffer(b"start"), bytearray(b"start")
-    for _ in range(300):
-        action = rng.randrange(6)
-        if action < 2:
-            data = rng.randbytes(rng.randrange(0, 3000))
-            source = rng.choice([data, bytearray(data), memoryview(data)[1:], memoryview(data)])
-            if isinstance(source, bytearray):  # a mutable chunk is copied, not kept
-                buffer.extend(source)
-                source[:] = bytes(len(source))
-            else:
-                buffer += source
-            reference += data if not isinstance(source, memoryview) else bytes(source)
-        elif action == 2:
-            count = rng.randrange(0, 4000)
-            assert buffer.take(count) == bytes(reference[:count])
-            del reference[:count]
-        elif action == 3:
-            target = memoryview(bytearray(rng.randrange(0, 4000)))
-            moved = buffer.take_into(target)
-            assert moved == min(len(target), len(reference))
-            assert bytes(target[:moved]) == bytes(reference[:moved])
-            del reference[:moved]
-        elif action == 4:
-            count = rng.randrange(0, 4000)
-            assert buffer[:count] == bytes(reference[:count])
-            del buffer[:count]
-            del reference[:count]
-        else:
-            key = slice(rng.randrange(0, 50), rng.randrange(50, 100))  # not a prefix
-            assert buffer[key] == bytes(reference[key])
-            del buffer[key]
-            del reference[key]
-        assert len(buffer) == len(reference)
-        assert bool(buffer) == bool(reference)
-        assert bytes(buffer) == bytes(reference)
-    buffer.clear()
-    assert len(buffer) == 0 and not buffer and bytes(buffer) == b""
-    with pytest.raises(TypeError):
-        buffer[0]  # noqa: B018
-
-
-# Download writer: batches are written and hashed in order in a worker thread
-
-
-class _FailingFile:
-    """A file whose write fails after `good_writes` writes."""
-
-    def __init__(self, good_writes: int) -> None:
-        self.written = bytearray()
-        self.good_writes = good_writes
-
-    def write(self, data: memoryview) -> int:
-        if self.good_writes == 0:
+        def write(self, piece: bytes) -> int:
+            self._file.write(piece[:1000])  # half written, then the disk is full
+            self._file.flush()
             raise OSError(28, "No space left on device")
-        self.good_writes -= 1
-        self.written += data
-        return len(data)
 
-    def flush(self) -> None:
-        pass  # every write reaches `written` at once
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._file, name)
 
-
-async def _write_batches(
-    target: Any,
-    digest: Any,
-    batches: list[bytes],
-    before_finish: Callable[[], Awaitable[None]] | None = None,
-) -> None:
-    """Hand each batch to a _PartialWriter in turn (each in a buffer of its own), await
-    `before_finish` if given, then finish; as a download does, finish even when handing over
-    fails (the writer's threads must end before the event loop does)."""
-    writer = _PartialWriter(target, digest)
-    try:
-        for batch in batches:
-            buffer = await writer.free_buffer()
-            buffer[: len(batch)] = batch
-            writer.write(buffer, len(batch))
-        if before_finish is not None:
-            await before_finish()
-    finally:
-        await writer.finish()
+    monkeypatch.setattr(partial, "_file", FullDisk(partial._file))
+    with pytest.raises(OSError, match="No space"):
+        partial.append(data[1 << 20 : 2 << 20])
+    assert store.partial_path(sha256).read_bytes() == data[: 1 << 20]  # back to what was hashed
+    partial.append(data[1 << 20 :])
+    assert partial.commit().read_bytes() == data
 
 
-def test_partial_writer_writes_in_order_and_keeps_a_prefix_when_a_write_fails() -> None:
-    batches = [bytes([n]) * 1000 for n in range(1, 11)] + [bytes([11]) * 10]  # the last one short
+def test_wire_frames_are_bounded_and_checked() -> None:
+    class Chunks:
+        def __init__(self, data: bytes) -> None:
+            self._data = data
 
-    whole, digest = _FailingFile(good_writes=100), hashlib.sha256()
-    trio.run(_write_batches, whole, digest, batches)
-    expected = b"".join(batches)
-    assert bytes(whole.written) == expected
-    assert digest.hexdigest() == hashlib.sha256(expected).hexdigest()
+        async def read(self, n: int | None = None) -> bytes:
+            count = min(3, len(self._data) if n is None else n)  # a stream that trickles
+            piece, self._data = self._data[:count], self._data[count:]
+            return piece
 
-    cut, digest = _FailingFile(good_writes=3), hashlib.sha256()
-    with pytest.raises(OSError, match="No space left"):
-        trio.run(_write_batches, cut, digest, batches)
-    assert bytes(cut.written) == b"".join(batches[:3])  # nothing after the failed batch
-    assert digest.hexdigest() == hashlib.sha256(b"".join(batches[:3])).hexdigest()
+    async def read(data: bytes, limit: int = 1024) -> dict[str, Any]:
+        return await blobwire.read_frame(Chunks(data), limit)
 
-
-def test_partial_writer_syncs_the_file_as_it_grows_without_waiting_for_the_disk(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every BLOB_SYNC_BYTES written, the partial file is synced, so the commit's fsync has
-    little left and a crash keeps a durable prefix; the writer goes on writing while a sync
-    runs, and no sync is left running once `finish` returns."""
-    import skillswarm.protocol.host as host_module
-
-    batches = [bytes([n]) * 1000 for n in range(1, 11)]
-    total = sum(map(len, batches))
-    synced_sizes: list[int] = []
-    syncing, first_sync_started = threading.Event(), threading.Event()
-
-    def slow_sync(descriptor: int) -> None:
-        syncing.set()
-        first_sync_started.set()
-        if not synced_sizes:  # the first sync waits until every batch is written
-            deadline = time.monotonic() + 10
-            while os.fstat(descriptor).st_size < total and time.monotonic() < deadline:
-                time.sleep(0.01)
-        os.fsync(descriptor)
-        synced_sizes.append(os.fstat(descriptor).st_size)
-        syncing.clear()
-
-    monkeypatch.setattr(host_module, "BLOB_SYNC_BYTES", 3000)
-    monkeypatch.setattr(host_module, "_sync_data", slow_sync)
-
-    async def first_sync_has_started() -> None:
-        # `finish` skips a sync only asked for; wait (on a loaded machine its thread may start
-        # late) until the first one has started, so that `finish` cannot skip it.
-        assert await trio.to_thread.run_sync(first_sync_started.wait, 10)
-
-    partial = tmp_path / "blob.partial"
-    with open(partial, "ab", buffering=0) as partial_file:  # each batch reaches the file at once
-        trio.run(_write_batches, partial_file, hashlib.sha256(), batches, first_sync_has_started)
-        assert not syncing.is_set()  # no sync outlives `finish`
-    # The writer did not wait for the first sync, which saw every batch written; the requests
-    # made meanwhile were served by at most one more sync.
-    assert synced_sizes[0] == total
-    assert synced_sizes in ([total], [total, total])
-    assert partial.read_bytes() == b"".join(batches)
-
-
-def test_partial_writer_stops_after_a_failed_sync(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A sync that fails (the disk reporting an I/O error) fails the download: `finish` raises
-    it and the partial file holds a prefix of the batches, nothing out of order."""
-    import skillswarm.protocol.host as host_module
-
-    sync_tried = threading.Event()
-
-    def failing_sync(descriptor: int) -> None:
-        sync_tried.set()
-        raise OSError(5, "Input/output error")
-
-    async def until_the_sync_was_tried() -> None:
-        # A sync only asked for when the writer finishes is skipped (the commit's fsync covers
-        # it): wait for the one asked for mid-download to have run.
-        assert await trio.to_thread.run_sync(sync_tried.wait, DELIVERY_TIMEOUT_S)
-
-    monkeypatch.setattr(host_module, "BLOB_SYNC_BYTES", 2000)
-    monkeypatch.setattr(host_module, "_sync_data", failing_sync)
-    batches = [bytes([n]) * 1000 for n in range(1, 11)]
-
-    partial = tmp_path / "blob.partial"
-    with open(partial, "ab") as partial_file, pytest.raises(OSError, match="Input/output"):
-        trio.run(_write_batches, partial_file, hashlib.sha256(), batches, until_the_sync_was_tried)
-    written = partial.read_bytes()
-    assert len(written) >= 2000  # the failure came from the sync asked for at 2000 bytes
-    assert written == b"".join(batches)[: len(written)]
+    request = blobwire.request_frame("ab" * 32, 5, 10)
+    assert blobwire.parse_request(trio.run(read, request)) == ("ab" * 32, 5, 10)
+    with pytest.raises(blobwire.BlobWireError, match="exceeds"):
+        trio.run(read, request, 10)
+    with pytest.raises(blobwire.BlobWireError, match="ended"):
+        trio.run(read, request[:-1])
+    with pytest.raises(blobwire.BlobWireError, match="map"):
+        trio.run(read, blobwire.frame(msgpack.packb([1, 2])))
+    for bad in ({"sha256": "x", "offset": 0, "length": 1}, {"sha256": "ab" * 32, "offset": -1}):
+        with pytest.raises(blobwire.BlobWireError):
+            blobwire.parse_request(bad)
+    header = blobwire.parse_header(trio.run(read, blobwire.ok_header(100, 40)))
+    assert (header.ok, header.size, header.length) == (True, 100, 40)
+    refusal = blobwire.parse_header(trio.run(read, blobwire.error_header("no" * 400)))
+    assert not refusal.ok and len(refusal.error or "") == blobwire.MAX_ERROR_TEXT_CHARS
+    with pytest.raises(blobwire.BlobWireError, match="integer"):
+        blobwire.parse_header({"ok": True, "size": True, "length": 1})

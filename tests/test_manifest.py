@@ -120,7 +120,7 @@ def test_manifest_bounds_every_byte_a_peer_would_be_asked_for(tmp_path, keys):
         with pytest.raises(ManifestError, match=match):
             DeltaManifest.decode(manifest.model_copy(update=changes).encode())
 
-    refused("listed as -5 bytes", blobs={sha: -5})
+    refused("greater than or equal to 0", blobs={sha: -5})
     refused(f"listed as {size + 1} bytes", blobs={sha: size + 1})
     refused("listed as 10 bytes but its tensors take 0", blobs={sha: size, "cd" * 32: 10})
     refused("listed but no tensor is in it", blobs={sha: size, "cd" * 32: 0})

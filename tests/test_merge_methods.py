@@ -13,13 +13,12 @@ import torch
 import yaml
 from safetensors.torch import save_file
 from skillswarm.merge.methods import MergeConfigError, MergeSpec
-from skillswarm.merge.streaming import (
+from skillswarm.merge.streaming import TaskVector, merge_checkpoint
+from skillswarm.merge.tensors import (
     SAFETENSORS_INDEX,
     CheckpointTensors,
     MergeError,
-    TaskVector,
     iter_base_tensors,
-    merge_checkpoint,
     weight_files,
 )
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

@@ -8,13 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from skillswarm.merge.methods import MergeSpec, available_methods
-from skillswarm.merge.streaming import (
-    MergeError,
-    SafetensorsStreamWriter,
-    TaskVector,
-    iter_base_tensors,
-    merge_checkpoint,
-)
+from skillswarm.merge.streaming import SafetensorsStreamWriter, TaskVector, merge_checkpoint
+from skillswarm.merge.tensors import MergeError, iter_base_tensors
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 

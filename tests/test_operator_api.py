@@ -306,7 +306,7 @@ def test_info_pairs_the_round_with_its_own_base_while_a_merge_is_being_recorded(
     base = coordinator.current_base()
     before = client.get("/v1/info").json()
     assert (before["round"], before["base_id"]) == (1, base.id)
-    # What _run_round does first when it publishes, before _record_published opens round 2.
+    # What a merge does first when it publishes, before Rounds.record_published opens round 2.
     merged_dir = tmp_path / "merged"
     shutil.copytree(coordinator.registry.checkpoint_dir(base), merged_dir)
     (merged_dir / "generation_config.json").write_text('{"do_sample": false}')
@@ -318,7 +318,7 @@ def test_info_pairs_the_round_with_its_own_base_while_a_merge_is_being_recorded(
         base.id,
         base.revision,
     )
-    coordinator._record_published(1, published)
+    coordinator.rounds.record_published(1, published)
     after = client.get("/v1/info").json()
     assert (after["round"], after["base_id"]) == (2, published.id)
 

@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from skillswarm.coordinator.registry import CheckpointInfo, Registry
-from skillswarm.merge.checkpoint import (
+from skillswarm.protocol.checkpoint import (
     MANIFEST_FILE_NAME,
     CheckpointManifest,
     read_manifest,

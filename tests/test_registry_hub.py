@@ -29,7 +29,7 @@ from skillswarm.coordinator.registry import (
     RevisionCollision,
     RevisionNotFound,
 )
-from skillswarm.merge.checkpoint import MANIFEST_FILE_NAME, CheckpointError, CheckpointManifest
+from skillswarm.protocol.checkpoint import MANIFEST_FILE_NAME, CheckpointError, CheckpointManifest
 
 REPO_ID = "skillswarm/agent"
 

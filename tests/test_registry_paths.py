@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from skillswarm.coordinator.registry import CheckpointInfo, Registry
-from skillswarm.merge.checkpoint import MANIFEST_FILE_NAME
+from skillswarm.protocol.checkpoint import MANIFEST_FILE_NAME
 from test_registry_hub import ServedApp, hub_app, serve_app
 
 REPO_ID = "skillswarm/agent"

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import torch
 from safetensors.torch import load_file, save_file
-from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.node.pipeline import RLConfig
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.delta import DeltaReader

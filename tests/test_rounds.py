@@ -25,10 +25,10 @@ from skillswarm.coordinator.store import (
     RoundRecord,
     utcnow,
 )
-from skillswarm.merge.checkpoint import verify_folder
 from skillswarm.merge.methods import MergeSpec
-from skillswarm.merge.streaming import iter_base_tensors
+from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.checkpoint import verify_folder
 from skillswarm.protocol.host import SwarmHost
 from skillswarm.protocol.identity import KeyPair, load_or_create_identity, peer_id_of
 from skillswarm.protocol.manifest import DeltaManifest

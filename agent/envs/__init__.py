@@ -63,20 +63,26 @@ def list_environments() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_environment(name: str, **kwargs: Any) -> Environment:
-    """Instantiate the environment registered as `name` with `kwargs`."""
+def environment_class(name: str) -> type[Environment]:
+    """The class registered as `name`, without building an environment."""
     _load_builtins()
-    environment_class = _REGISTRY.get(name)
-    if environment_class is None:
+    found = _REGISTRY.get(name)
+    if found is None:
         known = ", ".join(sorted(_REGISTRY)) or "none"
         raise UnknownEnvironmentError(f"no environment named {name!r}; registered: {known}")
-    return environment_class(**kwargs)
+    return found
+
+
+def get_environment(name: str, **kwargs: Any) -> Environment:
+    """Instantiate the environment registered as `name` with `kwargs`."""
+    return environment_class(name)(**kwargs)
 
 
 __all__ = [
     "DuplicateEnvironmentError",
     "Environment",
     "UnknownEnvironmentError",
+    "environment_class",
     "get_environment",
     "list_environments",
     "register_environment",

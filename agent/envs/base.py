@@ -94,6 +94,7 @@ class Environment(ABC):
 
     `tool_timeout_s` bounds each tool call's wall time in the rollout engine (a call that runs
     longer is answered with a timeout error); `max_tool_output_chars` truncates long results.
+    `runs_model_code` marks an environment that executes what the model writes (in the sandbox).
     """
 
     name: str
@@ -101,6 +102,7 @@ class Environment(ABC):
     max_turns: int
     tool_timeout_s: float = 10.0
     max_tool_output_chars: int = 2000
+    runs_model_code: bool = False
 
     @property
     @abstractmethod

@@ -453,6 +453,7 @@ class CodeEnvironment(Environment):
     """Write a Python function to a spec; `run_tests` checks it, the answer is the code."""
 
     name = "code"
+    runs_model_code = True
     system_prompt = (
         "Write the Python function the user asks for. Check it with the run_tests tool, then "
         "reply with the function's code as <answer>CODE</answer>."

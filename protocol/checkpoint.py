@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from skillswarm.protocol.canonical import CanonicalEncodingError, canonical_packb
 from skillswarm.protocol.durable import write_bytes_atomically
 
 MANIFEST_FILE_NAME = "skillswarm_manifest.msgpack"
@@ -131,10 +132,10 @@ class CheckpointManifest(BaseModel):
         data = self.model_dump(by_alias=True, mode="python")
         data["files"] = [dict(entry) for entry in data["files"]]
         try:
-            return msgpack.packb(_canonical(data), use_bin_type=True)
-        except (TypeError, ValueError) as exc:
+            return canonical_packb(data)
+        except CanonicalEncodingError as exc:
             raise CheckpointError(
-                f"manifest extra metadata is not msgpack-encodable: {exc}"
+                f"manifest extra metadata has no canonical encoding: {exc}"
             ) from exc
 
     @classmethod
@@ -171,16 +172,6 @@ class CheckpointManifest(BaseModel):
     def file(self, relative_path: str) -> CheckpointFile | None:
         """The entry for exactly this relative path, or None if the checkpoint has no such file."""
         return self._files_by_path.get(relative_path)
-
-
-def _canonical(value: object) -> object:
-    if isinstance(value, dict):
-        if not all(isinstance(key, str) for key in value):
-            raise CheckpointError("manifest maps must have string keys")
-        return {key: _canonical(value[key]) for key in sorted(value)}
-    if isinstance(value, list | tuple):
-        return [_canonical(item) for item in value]
-    return value
 
 
 def sha256_of_file(path: Path) -> str:

@@ -1,0 +1,126 @@
+"""Held-out scoring of checkpoints on every domain: the score cache of published checkpoints, and
+the evaluation table of a round (base, each expert alone, the merged candidate).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from skillswarm.coordinator.config import EvalConfig
+from skillswarm.coordinator.gates import write_expert_checkpoint
+from skillswarm.coordinator.store import DeltaRecord
+from skillswarm.protocol.delta import DeltaReader
+
+__all__ = ["DomainScores", "Evaluator", "expert_label", "mean_reward"]
+
+log = logging.getLogger(__name__)
+
+DomainScores = dict[str, dict[str, Any]]
+"""{domain: {"mean_reward", "success_rate", "n"}} of one checkpoint."""
+
+
+class Evaluator:
+    """Scores checkpoints through the rollout engine; thread-safe.
+
+    `_cache_lock` guards only the score cache: two scorings may run at once (intake's evaluation
+    gate and a merge), each loading its own policy.
+    """
+
+    def __init__(self, eval_config: EvalConfig) -> None:
+        self.eval_config = eval_config
+        self._cache_lock = threading.Lock()
+        self._score_cache: dict[tuple[str, str, int, int], dict[str, Any]] = {}
+
+    def scores(
+        self,
+        folder: Path,
+        domains: Sequence[str],
+        n_tasks: int,
+        seed: int,
+        cache_as: str | None = None,
+    ) -> DomainScores:
+        """{domain: {mean_reward, success_rate, n}} of one checkpoint, loaded once; results of a
+        published checkpoint (`cache_as` its id) are kept for the next asks."""
+        from skillswarm.agent.evaluate import evaluate_checkpoint
+        from skillswarm.agent.model import load_policy
+
+        scores: DomainScores = {}
+        policy = None
+        for domain in domains:
+            key = (cache_as or "", domain, n_tasks, seed)
+            if cache_as is not None:
+                with self._cache_lock:
+                    cached = self._score_cache.get(key)
+                if cached is not None:
+                    scores[domain] = cached
+                    continue
+            if policy is None:
+                policy = load_policy(folder)
+            result = evaluate_checkpoint(policy, domain, n_tasks=n_tasks, seed=seed)
+            scores[domain] = {
+                "mean_reward": _finite(result.mean_reward),
+                "success_rate": _finite(result.success_rate),
+                "n": result.n,
+            }
+            if cache_as is not None:
+                with self._cache_lock:
+                    self._score_cache[key] = scores[domain]
+        return scores
+
+    def validation_scores(self, folder: Path) -> DomainScores:
+        """Scores on the validation tasks (not the reported ones) over every configured domain:
+        what chooses among merge candidates."""
+        config = self.eval_config
+        return self.scores(folder, config.domains, config.n_tasks, config.validation_tasks_seed())
+
+    def evaluate(self, checkpoints: Mapping[str, Path]) -> dict[str, DomainScores]:
+        """Held-out scores of each named checkpoint on every configured domain."""
+        config = self.eval_config
+        return {
+            label: self.scores(folder, config.domains, config.n_tasks, config.seed)
+            for label, folder in checkpoints.items()
+        }
+
+    def evaluation_table(
+        self,
+        base_id: str,
+        base_dir: Path,
+        accepted: Sequence[DeltaRecord],
+        readers: Mapping[str, DeltaReader],
+        merged_dir: Path,
+        work: Path,
+    ) -> dict[str, Any]:
+        """Held-out scores of the base, each expert (its delta applied alone) and the merged
+        candidate on every configured domain, all through the same rollout engine."""
+        config = self.eval_config
+        domains, n_tasks, seed = config.domains, config.n_tasks, config.seed
+        table: dict[str, Any] = {
+            "base": self.scores(base_dir, domains, n_tasks, seed, cache_as=base_id)
+        }
+        for record in accepted:
+            folder = write_expert_checkpoint(base_dir, readers[record.id], work / "expert")
+            table[expert_label(record)] = self.scores(folder, domains, n_tasks, seed)
+            shutil.rmtree(folder, ignore_errors=True)
+        table["merged"] = self.scores(merged_dir, domains, n_tasks, seed)
+        return table
+
+
+def expert_label(record: DeltaRecord) -> str:
+    """The evaluation table's label of one delta applied alone to the base."""
+    return f"expert:{record.domain}:{record.id[:12]}"
+
+
+def mean_reward(row: Mapping[str, Any]) -> float:
+    """A domain's mean reward from a scores row, an unscored (non-finite) one counting as 0."""
+    value = row.get("mean_reward")
+    return 0.0 if value is None else float(value)
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None

@@ -1,0 +1,158 @@
+"""The coordinator's HTTP contract: the models of its /v1 answers and the status values they carry,
+shared by the coordinator's routes (as response models) and the node's client (to parse answers).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "CheckpointOut",
+    "DeltaOut",
+    "DeltaStatus",
+    "InfoOut",
+    "MergekitYamlBody",
+    "NodeOut",
+    "OperatorError",
+    "PeerAccessOut",
+    "RoundOut",
+    "RoundStatus",
+    "RoundTrigger",
+]
+
+
+class DeltaStatus(StrEnum):
+    """Where an announced delta stands; the values are the strings stored in the database."""
+
+    ACCEPTED = "accepted"
+    REJECTED = "rejected"
+    MERGED = "merged"
+
+
+class RoundStatus(StrEnum):
+    """Where a round stands; the values are the strings stored in the database."""
+
+    OPEN = "open"
+    MERGING = "merging"
+    PUBLISHED = "published"
+    FAILED = "failed"
+    ABANDONED = "abandoned"
+
+
+RoundTrigger = Literal["quorum", "deadline", "operator"]
+"""What made a round merge: its quorum, its deadline, or the operator."""
+
+
+class InfoOut(BaseModel):
+    """What a node needs to join: the coordinator's peer, the topic, the round and its base."""
+
+    peer_id: str
+    multiaddrs: list[str]
+    topic: str
+    repo_id: str
+    round: int
+    base_id: str
+    base_revision: str
+    merge: dict[str, Any] = Field(
+        description="the merge plan in force: a MergePlan (merge spec and candidates)"
+    )
+
+
+class DeltaOut(BaseModel):
+    """One announced delta and the coordinator's verdict on it."""
+
+    id: str
+    peer_id: str
+    announced_by: str
+    domain: str | None
+    base_id: str | None
+    round: int | None
+    steps: int | None
+    status: DeltaStatus
+    reason: str | None
+    rejection_kind: str | None = None
+    metrics: dict[str, Any]
+    checks: dict[str, Any] | None = Field(default=None, description="what the gates measured")
+    received_at: dt.datetime
+
+
+class NodeOut(BaseModel):
+    """A peer the coordinator has heard from, with its latest progress and its verdict counts."""
+
+    peer_id: str
+    domain: str | None
+    first_seen: dt.datetime
+    last_seen: dt.datetime
+    last_heartbeat: dt.datetime | None = None
+    round: int | None = None
+    step: int | None = None
+    reward: float | None = None
+    accepted: int = Field(description="deltas accepted or merged")
+    rejected: int
+
+
+class RoundOut(BaseModel):
+    """A round as recorded: its base, inputs, merge method, evaluation and outcome."""
+
+    number: int
+    base_id: str
+    status: RoundStatus
+    method: dict[str, Any]
+    inputs: list[str]
+    evaluation: dict[str, Any]
+    candidates: list[dict[str, Any]] = Field(
+        default_factory=list, description="merge candidates tried on the validation tasks"
+    )
+    trigger: RoundTrigger | None = Field(default=None, description="quorum, deadline or operator")
+    merge_seconds: float | None = None
+    checkpoint_id: str | None
+    error: str | None
+    started_at: dt.datetime
+    finished_at: dt.datetime | None
+
+    @field_validator("candidates", mode="before")
+    @classmethod
+    def _none_is_no_candidates(cls, value: Any) -> Any:
+        return [] if value is None else value
+
+
+class CheckpointOut(BaseModel):
+    """A checkpoint in the registry, with the evaluation of the round that made it."""
+
+    id: str
+    revision: str
+    round: int
+    parent: str | None
+    method: str | None
+    created_at: str
+    size: int
+    retired: bool
+    evaluation: dict[str, Any] | None = None
+
+
+class OperatorError(BaseModel):
+    """Body of every error the operator API answers itself."""
+
+    detail: str
+
+
+class PeerAccessOut(BaseModel):
+    """Whether a peer's deltas are now admitted."""
+
+    peer_id: str
+    allowed: bool
+
+
+class MergekitYamlBody(BaseModel):
+    """A mergekit-style YAML fragment carried in a JSON body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mergekit_yaml: str = Field(
+        description="mergekit YAML: merge_method, top-level parameters, dtype, out_dtype"
+    )
+    seed: int = Field(default=0, description="RNG seed (mergekit-yaml --random-seed)")

@@ -1,0 +1,85 @@
+"""A blob download's resumable `.partial` file: appended and hashed as bytes arrive.
+
+The BlobStore keeps the partial; `commit` checks the sha256 and installs the blob atomically.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from skillswarm.protocol.blobstore import BlobStore
+
+__all__ = ["SYNC_EVERY_BYTES", "PartialDownload"]
+
+# The file is synced to disk each time this many bytes were appended since the last sync, by the
+# thread that appends: writeback overlaps the transfer instead of all waiting for the commit's
+# fsync, and a crash keeps a durable prefix to resume from.
+SYNC_EVERY_BYTES = 8 << 20
+
+
+class PartialDownload:
+    """The partial download of one blob, opened for appending where an earlier attempt stopped.
+
+    `have` is how many bytes the file already holds (the offset to ask the server for) and the
+    digest has been fed exactly those. `append` writes with plain buffered I/O and feeds the
+    digest the same bytes; a failed write truncates the file back to what the digest has seen,
+    so the file always holds a prefix the digest matches. Blocking: call it off the event loop.
+    """
+
+    def __init__(self, store: BlobStore, sha256: str) -> None:
+        self.store = store
+        self.sha256 = sha256
+        self.path, self.have, self._digest = store.resume_partial(sha256)
+        self._file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
+        self._unsynced = 0
+
+    def append(self, data: bytes | bytearray | memoryview) -> None:
+        """Append `data` to the file and the digest, or neither (the error is raised)."""
+        try:
+            self._file.write(data)
+            self._file.flush()
+        except BaseException:
+            self._file.close()
+            with open(self.path, "rb+") as repair:
+                repair.truncate(self.have)
+            self._file = open(self.path, "ab")  # noqa: SIM115
+            raise
+        self._digest.update(data)
+        self.have += len(data)
+        self._unsynced += len(data)
+        if self._unsynced >= SYNC_EVERY_BYTES:
+            _sync_data(self._file.fileno())
+            self._unsynced = 0
+
+    def close(self) -> None:
+        """Close the file; the partial stays for `commit` or a later resume."""
+        self._file.close()
+
+    def commit(self) -> Path:
+        """Close the file, verify the sha256 and install the blob; returns its path. Raises
+        BlobCorrupted (partial deleted) when the bytes do not hash to the blob's id."""
+        self.close()
+        return self.store.commit_partial(self.sha256, self._digest)
+
+    def discard_if_empty(self) -> None:
+        """Delete the partial if it holds no byte (a fetch refused before its first byte)."""
+        self.close()
+        self.store.discard_partial_if_empty(self.sha256)
+
+    def __enter__(self) -> PartialDownload:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+# fdatasync where the platform has it (it skips metadata such as the modification time).
+_sync_data: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
