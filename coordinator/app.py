@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
 from skillswarm.coordinator.config import CoordinatorConfig
 from skillswarm.coordinator.dashboard import dashboard_router
 from skillswarm.coordinator.http_server import server_config
@@ -28,6 +29,7 @@ from skillswarm.protocol.api import (
     CheckpointOut,
     DeltaOut,
     DeltaStatus,
+    HealthOut,
     InfoOut,
     NodeOut,
     RoundOut,
@@ -144,9 +146,19 @@ def create_app(coordinator: Coordinator) -> FastAPI:
     app = FastAPI(title="skillswarm coordinator", version="1", lifespan=lifespan)
     app.state.coordinator = coordinator
 
-    @app.get("/healthz", tags=["ops"])
-    def healthz() -> dict[str, bool]:
-        return {"ok": True}
+    @app.get(
+        "/healthz",
+        tags=["ops"],
+        response_model=HealthOut,
+        responses={
+            503: {"model": HealthOut, "description": "a worker is gone; restart the coordinator"}
+        },
+    )
+    def healthz() -> JSONResponse:
+        """200 while every worker of a started coordinator is alive, else 503 naming them."""
+        workers = coordinator.worker_liveness()
+        health = HealthOut(ok=all(workers.values()), workers=workers)
+        return JSONResponse(health.model_dump(), status_code=200 if health.ok else 503)
 
     app.include_router(v1_router())
     app.include_router(operator_router(coordinator, operator_token, token_env))

@@ -29,6 +29,7 @@ from skillswarm.coordinator.rounds import Rounds
 from skillswarm.coordinator.store import (
     CoordinatorStore,
     DeltaRecord,
+    GossipRefusalRecord,
     NodeRecord,
     PeerAccessRecord,
     as_utc,
@@ -50,7 +51,7 @@ from skillswarm.protocol.messages import (
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-__all__ = ["GATE_WORK_PREFIX", "Intake", "record_id"]
+__all__ = ["GATE_WORK_PREFIX", "GOSSIP_REFUSAL_KINDS", "Intake", "record_id"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ FETCH_RETRY_COOLDOWN_S = 5.0
 FETCH_BASE_TIMEOUT_S = 30.0
 FETCH_MIN_RATE_BYTES_PER_S = 1 << 20
 FETCH_MAX_TIMEOUT_S = 300.0  # a larger blob goes on from its partial download at the next attempt
+MAX_REASON_CHARS = 500  # of a refusal's reason kept on record
+# Gossip refused and recorded against its sender: undecodable, of a type this coordinator does
+# not speak, or one whose handling failed.
+GOSSIP_REFUSAL_KINDS = ("malformed", "unknown", "failed")
 GATE_WORK_PREFIX = "gate-"  # work folders of the evaluation gate under work_dir; removed at start
 # Errors that refuse a delta (recorded as rejected) rather than fail intake.
 REFUSALS = (DeltaRejected, ManifestError, DeltaError, BlobFetchError, BlobStoreError)
@@ -101,32 +106,52 @@ class Intake:
         self._lock = threading.RLock()
         self._base_tensors: dict[str, CheckpointTensors] = {}
         self.garbage_due = False  # collect_garbage found intake busy; the intake loop runs it
+        self.refused_by_access = 0  # gossip from denied peers or outside the allow-list
 
     # gossip --------------------------------------------------------------------------------
 
     def handle_gossip(self, from_peer: str, data: bytes) -> DeltaRecord | None:
         """Take one gossip message: an announced delta (returns its record) or a heartbeat.
-        Nothing it raises escapes: one bad message must not stop intake."""
+
+        A peer the operator denied, or one outside the allow-list, is turned away before a byte
+        of its message is decoded (counted, nothing stored); a message that does not decode is
+        recorded against its sender. Nothing raised escapes: one bad message must not stop
+        intake."""
+        refusal = self.sender_refusal(from_peer)
+        if refusal is not None:
+            with self._lock:
+                self.refused_by_access += 1
+            log.debug("ignored gossip: %s", refusal)
+            return None
         try:
             body = decode_message(data)
         except UnknownMessage as exc:
+            self._note_refusal(from_peer, "unknown", str(exc))
             log.info("ignored gossip from %s: %s", from_peer, exc)
             return None
         except MessageError as exc:
+            self._note_refusal(from_peer, "malformed", str(exc))
             log.warning("refused gossip from %s: %s", from_peer, exc)
             return None
         try:
             if isinstance(body, DeltaAnnounced):
                 return self.handle_announcement(from_peer, body)
             if isinstance(body, NodeHeartbeat):
-                refusal = self.sender_refusal(from_peer)
-                if refusal is not None:  # nothing of a refused peer is recorded
-                    log.debug("ignored a heartbeat: %s", refusal)
-                    return None
                 self.record_heartbeat(from_peer, body)
-        except Exception:  # one bad message must not stop intake
+        except Exception as exc:  # one bad message must not stop intake
             log.exception("error handling %s from %s", body.type, from_peer)
+            self._note_refusal(from_peer, "failed", f"{type(exc).__name__}: {exc}")
         return None
+
+    def _note_refusal(self, peer_id: str, kind: str, reason: str) -> None:
+        with self._lock, self.store.session() as s:
+            row = s.get(GossipRefusalRecord, (peer_id, kind))
+            if row is None:
+                row = GossipRefusalRecord(peer_id=peer_id, kind=kind, count=0)
+                s.add(row)
+            row.count += 1
+            row.last_reason = reason[:MAX_REASON_CHARS]
+            row.last_at = utcnow()
 
     def record_heartbeat(self, peer_id: str, heartbeat: NodeHeartbeat) -> None:
         """Note a node's heartbeat: its domain, round, step and latest reward."""

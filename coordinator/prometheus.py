@@ -33,6 +33,11 @@ COORDINATOR_METRIC_HELP = {
     "checkpoints_retired_total": "Checkpoints retired by the operator.",
     "rounds_failed_total": "Rounds whose merge failed.",
     "nodes_seen": "Peers heard from, by heartbeat or delta.",
+    "gossip_refused_access_total": "Gossip from denied peers or outside the allow-list, unread.",
+    "gossip_refused_malformed_total": "Gossip that did not decode, recorded against its sender.",
+    "gossip_refused_unknown_total": "Gossip of a type or version this coordinator does not speak.",
+    "gossip_refused_failed_total": "Gossip whose handling failed, recorded against its sender.",
+    "intake_errors_total": "Intake passes that failed and were gone past.",
 }
 
 _INVALID_NAME_CHARACTERS = re.compile(r"[^a-zA-Z0-9_:]")

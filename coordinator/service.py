@@ -18,12 +18,13 @@ from pydantic import ValidationError
 from skillswarm.coordinator.config import CoordinatorConfig, MergePlan
 from skillswarm.coordinator.evaluation import DomainScores, Evaluator
 from skillswarm.coordinator.gates import REJECTION_KINDS
-from skillswarm.coordinator.intake import GATE_WORK_PREFIX, Intake
+from skillswarm.coordinator.intake import GATE_WORK_PREFIX, GOSSIP_REFUSAL_KINDS, Intake
 from skillswarm.coordinator.registry import CheckpointInfo, Registry
 from skillswarm.coordinator.rounds import MERGE_WORK_PREFIX, MissingBaseCheckpoint, Rounds
 from skillswarm.coordinator.store import (
     CoordinatorStore,
     DeltaRecord,
+    GossipRefusalRecord,
     NodeRecord,
     PeerAccessRecord,
     RoundRecord,
@@ -92,6 +93,7 @@ class Coordinator:
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.intake_errors = 0  # intake passes that failed (and were gone past)
 
     # lifecycle -----------------------------------------------------------------------------
 
@@ -128,21 +130,41 @@ class Coordinator:
         self.store.close()
 
     def _intake_loop(self) -> None:
+        """Gossip, merges due by the round policy and garbage collection, until stopped. An
+        error in one pass is logged and counted and the loop goes on; only an exception that is
+        not an Exception (SystemExit, say) ends it, and then /healthz says so."""
         next_policy_check = 0.0
         while not self._stop.is_set():
             try:
-                msg = self.host.messages.get(timeout=POLICY_CHECK_INTERVAL_S)
-            except queue.Empty:
-                msg = None
-            if msg is not None:
-                record = self.intake.handle_gossip(msg.from_peer, msg.data)
-                if record is not None and record.status == DeltaStatus.ACCEPTED:
-                    self._merge_if_due()
-            if self.intake.garbage_due:
-                self.intake.collect_garbage()
-            if time.monotonic() >= next_policy_check:
-                next_policy_check = time.monotonic() + POLICY_CHECK_INTERVAL_S
+                next_policy_check = self._intake_pass(next_policy_check)
+            except Exception:
+                self.intake_errors += 1
+                log.exception("intake pass failed; going on")
+                self._stop.wait(POLICY_CHECK_INTERVAL_S)
+
+    def _intake_pass(self, next_policy_check: float) -> float:
+        try:
+            msg = self.host.messages.get(timeout=POLICY_CHECK_INTERVAL_S)
+        except queue.Empty:
+            msg = None
+        if msg is not None:
+            record = self.intake.handle_gossip(msg.from_peer, msg.data)
+            if record is not None and record.status == DeltaStatus.ACCEPTED:
                 self._merge_if_due()
+        if self.intake.garbage_due:
+            self.intake.collect_garbage()
+        if time.monotonic() >= next_policy_check:
+            next_policy_check = time.monotonic() + POLICY_CHECK_INTERVAL_S
+            self._merge_if_due()
+        return next_policy_check
+
+    def worker_liveness(self) -> dict[str, bool]:
+        """Each long-lived worker of a started coordinator and whether it is alive (the intake
+        thread, which also runs rounds; the libp2p host's thread, which runs gossip and the blob
+        protocol); empty before `start()`."""
+        if self._thread is None:
+            return {}
+        return {"intake": self._thread.is_alive(), "libp2p-host": self.host.running}
 
     def _merge_if_due(self) -> None:
         try:
@@ -356,6 +378,13 @@ class Coordinator:
             ).first()
             current = s.scalars(select(func.max(RoundRecord.number))).one()
             nodes_seen = s.scalars(select(func.count()).select_from(NodeRecord)).one()
+            refused = dict(
+                s.execute(
+                    select(GossipRefusalRecord.kind, func.sum(GossipRefusalRecord.count)).group_by(
+                        GossipRefusalRecord.kind
+                    )
+                ).all()
+            )
         checkpoints = self.registry.list()
         values: dict[str, float] = {
             "deltas_received_total": float(sum(by_status.values())),
@@ -368,7 +397,11 @@ class Coordinator:
             "checkpoints_published_total": float(len(checkpoints)),
             "checkpoints_retired_total": float(sum(i.retired for i in checkpoints)),
             "nodes_seen": float(nodes_seen),
+            "gossip_refused_access_total": float(self.intake.refused_by_access),
+            "intake_errors_total": float(self.intake_errors),
         }
+        for kind in GOSSIP_REFUSAL_KINDS:
+            values[f"gossip_refused_{kind}_total"] = float(refused.get(kind, 0))
         for kind in REJECTION_KINDS:
             values[f"deltas_rejected_{kind}_total"] = float(by_kind.get(kind, 0))
         return values

@@ -116,6 +116,19 @@ class NodeRecord(Base):
     last_heartbeat: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
 
+class GossipRefusalRecord(Base):
+    """Gossip refused from one peer, by kind ("malformed", "unknown"): how often, and the last
+    reason. One row per peer and kind, however many messages."""
+
+    __tablename__ = "gossip_refusals"
+
+    peer_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    count: Mapped[int] = mapped_column(Integer, default=0)
+    last_reason: Mapped[str] = mapped_column(Text, default="")
+    last_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class PeerAccessRecord(Base):
     """An operator's verdict on a peer: allowed (added to the allow-list) or denied."""
 

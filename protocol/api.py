@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointOut",
     "DeltaOut",
     "DeltaStatus",
+    "HealthOut",
     "InfoOut",
     "MergekitYamlBody",
     "NodeOut",
@@ -45,6 +46,15 @@ class RoundStatus(StrEnum):
 
 RoundTrigger = Literal["quorum", "deadline", "operator"]
 """What made a round merge: its quorum, its deadline, or the operator."""
+
+
+class HealthOut(BaseModel):
+    """`GET /healthz`: whether every worker of the coordinator is alive (503 when not)."""
+
+    ok: bool
+    workers: dict[str, bool] = Field(
+        description="each worker thread of a started coordinator and whether it is alive"
+    )
 
 
 class InfoOut(BaseModel):

@@ -193,8 +193,8 @@ async def receive_body(
     chunk_bytes: int,
     queued_chunks: int = 4,
 ) -> None:
-    """Receive exactly `count` bytes and hand them, in order, to `append` in pieces of up to
-    `chunk_bytes`, each in a worker thread.
+    """Receive exactly `count` bytes and hand them, in order, to `append` in pieces of at least
+    `chunk_bytes` (under twice that; the last may be shorter), each in a worker thread.
 
     A task of its own appends the pieces while this one goes on reading (at most
     `queued_chunks` pieces wait): reading is what makes libp2p grant the sender more window,
@@ -215,7 +215,9 @@ async def receive_body(
         remaining, piece = count, bytearray()
         try:
             while remaining > 0:
-                data = await stream.read(min(remaining, chunk_bytes - len(piece)))
+                # Whole-size reads, whatever the piece holds: each read may send the peer a
+                # window update, so short reads to top a piece up cost frames.
+                data = await stream.read(min(remaining, chunk_bytes))
                 if not data:
                     raise BlobWireError(f"stream ended with {remaining} bytes still to come")
                 piece += data

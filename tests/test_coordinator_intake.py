@@ -13,7 +13,7 @@ import torch
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
 from skillswarm.coordinator.intake import record_id
 from skillswarm.coordinator.service import Coordinator
-from skillswarm.coordinator.store import DeltaRecord, NodeRecord
+from skillswarm.coordinator.store import DeltaRecord, GossipRefusalRecord, NodeRecord
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.delta import pack_delta
@@ -367,17 +367,22 @@ def test_peer_not_on_the_allow_list_is_refused_before_fetching(tmp_path, tiny_ba
         signed = sign_manifest(manifest, key)
         caplog.set_level(logging.DEBUG, logger="skillswarm.coordinator.intake")
         peer.publish(encode_message(NodeHeartbeat(domain="math", round=1, step=3, reward=0.5)))
-        _wait_log(caplog, f"ignored a heartbeat: peer {peer.peer_id} is not on the allow-list")
         _announce(peer, signed)
-        record = _wait_record(c, signed.manifest_id)
-        assert record.status == "rejected"
-        assert "allow-list" in record.reason
+        # Both are turned away before a byte of them is decoded, and counted.
+        deadline = time.monotonic() + 30
+        while c.intake.refused_by_access < 2:
+            assert time.monotonic() < deadline, "the gossip was never refused"
+            time.sleep(0.1)
+        _wait_log(caplog, f"ignored gossip: peer {peer.peer_id} is not on the allow-list")
+        assert c.metrics()["gossip_refused_access_total"] == 2
         assert peer.bytes_served == 0
         assert not any(c.blobs.has(sha) for sha in manifest.blobs)
-        # Its heartbeat left no trace: a peer outside the allow-list cannot grow the
-        # coordinator's tables.
+        # Nothing of it is recorded: a peer outside the allow-list cannot grow the coordinator's
+        # tables.
         with c.store.session() as s:
             assert s.get(NodeRecord, peer.peer_id) is None
+            assert s.get(DeltaRecord, signed.manifest_id) is None
+            assert s.query(GossipRefusalRecord).count() == 0
     finally:
         peer.stop()
         c.stop()
