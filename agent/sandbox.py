@@ -16,6 +16,7 @@ tests, the report channel or the per-run token, and cannot forge a passing repor
 
 from __future__ import annotations
 
+import functools
 import marshal
 import math
 import os
@@ -254,6 +255,7 @@ def _rlimits(limits: SandboxLimits) -> list[tuple[str, int, int]]:
     ]
 
 
+@functools.cache
 def _interpreter() -> str:
     """The real interpreter binary (a virtual environment's `python` is a link to it): the
     sandboxed child runs with `-I -S`, so it needs the standard library and nothing of the venv."""
@@ -270,14 +272,16 @@ def _drop_to(isolation: Isolation) -> tuple[int, int] | None:
     return SANDBOX_UID, SANDBOX_GID
 
 
-def _bwrap_argv(bwrap: str, workdir: str, disk_bytes: int) -> list[str]:
+@functools.cache
+def _bwrap_setup() -> tuple[str, ...]:
     """bubblewrap with the mount, PID, network, IPC, UTS and cgroup namespaces unshared (and the
     user namespace, with no nested ones, unless this process is root: then the child drops to an
     unprivileged user itself), no capabilities, a new session, and a filesystem of just /usr, the
-    interpreter's prefix (read-only), a minimal /dev and a private tmpfs of `disk_bytes` at
-    `workdir`: no home, no work dir, no keys, no network."""
-    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
-    argv += ["--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    interpreter's prefix (read-only) and a minimal /dev: no home, no work dir, no keys, no
+    network. The same for every run, so worked out once."""
+    argv = [shutil.which("bwrap") or "bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net"]
+    argv += ["--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    argv += ["--cap-drop", "ALL"]
     if os.geteuid() == 0:
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
@@ -300,16 +304,23 @@ def _bwrap_argv(bwrap: str, workdir: str, disk_bytes: int) -> list[str]:
                 argv += ["--perms", "0755", "--dir", parent]
                 made.add(parent)
         argv += ["--ro-bind", prefix, prefix]
-    # World-writable: the child may have switched user; no one else sees this tmpfs.
-    argv += ["--size", str(disk_bytes), "--perms", "0777", "--tmpfs", workdir]
-    argv += ["--chdir", workdir, "--"]
-    return argv
+    return tuple(argv)
+
+
+def _bwrap_argv(workdir: str, disk_bytes: int) -> list[str]:
+    """`_bwrap_setup()` plus the run's private tmpfs of `disk_bytes` at `workdir`,
+    world-writable: the child may have switched user, and no one else sees it."""
+    return [
+        *_bwrap_setup(),
+        *("--size", str(disk_bytes), "--perms", "0777", "--tmpfs", workdir),
+        *("--chdir", workdir, "--"),
+    ]
 
 
 def _child_argv(isolation: Isolation, workdir: str, limits: SandboxLimits) -> list[str]:
     prefix: list[str] = []
     if isolation is Isolation.BUBBLEWRAP:
-        prefix = _bwrap_argv(shutil.which("bwrap") or "bwrap", workdir, limits.max_disk_bytes)
+        prefix = _bwrap_argv(workdir, limits.max_disk_bytes)
     elif isolation is Isolation.NAMESPACES:
         prefix = [shutil.which("unshare") or "unshare", "--user", "--map-root-user", "--net"]
     return [*prefix, _interpreter(), "-I", "-S", "-B", "-X", "utf8", "-c", _CHILD_LOADER]

@@ -30,9 +30,8 @@ def _canonical(value: object) -> object:
 
 def canonical_packb(value: object) -> bytes:
     """`value` as canonical msgpack bytes: equal values always give equal bytes."""
+    ordered = _canonical(value)
     try:
-        return msgpack.packb(_canonical(value), use_bin_type=True)
+        return msgpack.packb(ordered, use_bin_type=True)
     except (TypeError, ValueError) as exc:
-        if isinstance(exc, CanonicalEncodingError):
-            raise
         raise CanonicalEncodingError(f"not msgpack-encodable: {exc}") from exc

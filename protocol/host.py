@@ -584,8 +584,7 @@ class SwarmHost:
                     background_trio_service(gossipsub),
                 ):
                     await pubsub.wait_until_ready()
-                    # Dialling is our own policy (kept peers, blob holders): the swarm's
-                    # auto-connector would redial every peer ever seen, forever.
+                    # Dialling is our policy: no auto-connector redialling every peer ever seen.
                     await host.get_network().auto_connector.stop()  # type: ignore[attr-defined]
                     subscription = await pubsub.subscribe(self.topic)
                     async with trio.open_nursery() as nursery:

@@ -3,8 +3,11 @@ order pytest-xdist's workers take the test files in, and the shared tiny base mo
 
 from __future__ import annotations
 
+import http.server
 import os
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -89,3 +92,23 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
             create_base_checkpoint(building, num_threads=2)
             building.rename(base)
     return base
+
+
+@pytest.fixture
+def not_a_coordinator() -> Iterator[str]:
+    """The URL of an HTTP server answering 404 to everything: a node asking it fails at once."""
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the handler's API)
+            self.send_error(404)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, name="not-a-coordinator")
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)

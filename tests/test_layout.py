@@ -30,8 +30,8 @@ ALLOWED = {
     "cli": {"agent", "coordinator", "merge", "node", "protocol"},
 }
 MAX_MODULE_LINES = 800
-# The libp2p host (gossip, the blob protocol, redial) is the one module allowed up to 1,000.
-LONGER_MODULES = {"skillswarm.protocol.host": 1000}
+# The libp2p host (gossip, the blob protocol, redial) is the one module allowed more: under 1,000.
+LONGER_MODULES = {"skillswarm.protocol.host": 999}
 PATCHES_MODULE = "skillswarm.protocol.patches"
 
 

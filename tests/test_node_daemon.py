@@ -4,7 +4,6 @@ endpoint, and a SIGTERM mid-round after which a restart resumes and the round co
 
 from __future__ import annotations
 
-import http.server
 import signal
 import threading
 import time
@@ -168,25 +167,11 @@ def test_a_daemon_waiting_for_an_absent_coordinator_stops_when_told(tmp_path: Pa
 
 
 def test_a_daemon_pointed_at_something_that_is_not_a_coordinator_fails_at_once(
-    tmp_path: Path,
+    tmp_path: Path, not_a_coordinator: str
 ) -> None:
     from skillswarm.node.daemon import NodeDaemon
 
-    class NotFound(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the handler's API)
-            self.send_error(404)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
     started = time.monotonic()
-    try:
-        with pytest.raises(httpx.HTTPStatusError, match="404"):
-            NodeDaemon(NodeConfig(work_dir=tmp_path, coordinator_url=url)).run()
-    finally:
-        server.shutdown()
-        server.server_close()
+    with pytest.raises(httpx.HTTPStatusError, match="404"):
+        NodeDaemon(NodeConfig(work_dir=tmp_path, coordinator_url=not_a_coordinator)).run()
     assert time.monotonic() - started < 10  # a refusal is not waited out as an outage

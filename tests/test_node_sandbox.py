@@ -4,11 +4,9 @@ refuses the code domain unless its config accepts the weaker sandbox, and then i
 
 from __future__ import annotations
 
-import http.server
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -26,26 +24,6 @@ def _node_run(config: NodeConfig, path: Path, sandbox: str) -> subprocess.Comple
         text=True,
         timeout=120,
     )
-
-
-@pytest.fixture
-def not_a_coordinator():
-    """An HTTP server answering 404 to everything: a node asking it fails at once."""
-
-    class NotFound(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the handler's API)
-            self.send_error(404)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
-    thread = threading.Thread(target=server.serve_forever, name="not-a-coordinator")
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
 
 
 def test_the_code_domain_is_refused_without_kernel_isolation(
