@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from skillswarm.agent.envs import get_environment
 from skillswarm.agent.model import load_policy, set_torch_threads
 from skillswarm.agent.rollout import DEFAULT_MAX_NEW_TOKENS, play_episodes, summarize_episodes
+from skillswarm.agent.stats import wilson_interval
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 Policy = tuple[PreTrainedModel, PreTrainedTokenizerBase]
@@ -15,7 +17,12 @@ Policy = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Held-out score of one checkpoint on one domain."""
+    """Held-out score of one checkpoint on one domain.
+
+    `rewards`, `successes` (1 or 0, success as in `Episode.success`) and `task_ids` hold each
+    task's outcome in task order, so two checkpoints scored on the same tasks (same domain, number
+    of tasks and seed) compare task by task (`skillswarm.agent.stats.paired_difference`). They
+    default to empty, so a stored result without them still loads."""
 
     domain: str
     mean_reward: float
@@ -25,9 +32,26 @@ class EvalResult:
     tool_calls_mean: float
     tool_errors_mean: float
     answered_rate: float
+    rewards: tuple[float, ...] = ()
+    successes: tuple[int, ...] = ()
+    task_ids: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, float | int | str | bool]:
-        return asdict(self)
+    def __post_init__(self) -> None:
+        # A result read back from JSON brings lists; keep tuples so it equals the original.
+        object.__setattr__(self, "rewards", tuple(float(r) for r in self.rewards))
+        object.__setattr__(self, "successes", tuple(int(s) for s in self.successes))
+        object.__setattr__(self, "task_ids", tuple(str(t) for t in self.task_ids))
+
+    def success_interval(self, level: float = 0.95) -> tuple[float, float]:
+        """Wilson interval of the success rate at confidence `level`."""
+        return wilson_interval(round(self.success_rate * self.n), self.n, level)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON-ready values (the per-task tuples as lists)."""
+        data = asdict(self)
+        for name in ("rewards", "successes", "task_ids"):
+            data[name] = list(data[name])
+        return data
 
 
 def evaluate_checkpoint(
@@ -42,8 +66,9 @@ def evaluate_checkpoint(
     num_threads: int | None = None,
 ) -> EvalResult:
     """Play one episode on each of `n_tasks` held-out tasks of `domain` (greedy by default, or
-    sampled at `temperature` with `seed`) and report mean reward and success rate.
-    `num_threads`, when given, sets torch's threads first."""
+    sampled at `temperature` with `seed`) and report mean reward and success rate, with each
+    task's reward, success and id in task order. `num_threads`, when given, sets torch's
+    threads first."""
     if n_tasks < 1:
         raise ValueError("n_tasks must be at least 1")
     if num_threads is not None:
@@ -73,4 +98,7 @@ def evaluate_checkpoint(
         tool_calls_mean=summary["tool_calls_mean"],
         tool_errors_mean=summary["tool_errors_mean"],
         answered_rate=summary["answered_rate"],
+        rewards=tuple(episode.reward for episode in episodes),
+        successes=tuple(int(episode.success) for episode in episodes),
+        task_ids=tuple(episode.task.id for episode in episodes),
     )

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from skillswarm.merge.methods import MergeSpec
+from skillswarm.merge.outer import OuterOptimizerConfig
 
 
 class RoundPolicy(BaseModel):
@@ -34,7 +35,19 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     domains: list[str] = Field(default_factory=lambda: ["math"])
-    n_tasks: int = Field(default=32, ge=1)
+    n_tasks: int = Field(
+        default=128,
+        ge=1,
+        description="held-out tasks per domain; every model of a round is scored on the same ones",
+    )
+    experts: Literal["all", "own", "none"] = Field(
+        default="all",
+        description="score each delta applied alone on every domain, on its own domain only, "
+        "or not at all",
+    )
+    level: float = Field(
+        default=0.95, gt=0.5, lt=1, description="confidence level of the reported intervals"
+    )
     seed: int = Field(default=0, description="held-out tasks of the reported table")
     validation_seed: int | None = Field(
         default=None,
@@ -101,14 +114,61 @@ class GateConfig(BaseModel):
         return self
 
 
+class PublishPolicy(BaseModel):
+    """When a merged candidate may replace the current base: never when it is worse than the base
+    on a domain beyond the evaluation's noise.
+
+    The rule compares the candidate with the base on the same validation tasks
+    (eval.validation_seed, apart from the reported ones), domain by domain, with a one-sided
+    paired test at level `alpha`: the exact sign test on the tasks where exactly one of the two
+    succeeds (success), or a sign-flip permutation test (reward). A domain where the candidate is
+    worse at that level by more than `margin` holds the round: nothing is published, and the
+    next round trains again on the current base.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    no_regression: bool = Field(
+        default=True, description="hold a candidate worse than the base on any domain"
+    )
+    metric: Literal["success", "reward"] = Field(
+        default="success", description="per-task outcome the rule compares"
+    )
+    alpha: float = Field(
+        default=0.05, gt=0, lt=0.5, description="one-sided level of the paired test"
+    )
+    margin: float = Field(
+        default=0.0, ge=0, description="a fall in the metric's mean no larger than this is allowed"
+    )
+
+
+def _default_candidates() -> list[MergeSpec]:
+    return [MergeSpec(method="task_arithmetic", parameters={"weight": 0.5})]
+
+
 class MergePlan(MergeSpec):
-    """The merge to run, and optional alternatives tried beside it on the validation tasks.
+    """The merge to run, and alternatives tried beside it on the validation tasks.
 
     With `candidates`, every spec (this one first) merges the round; the one with the best mean
     reward over eval.domains on eval.validation_seed is published, ties going to the earlier.
+    The default sums the round's task vectors (task arithmetic, λ = 1: each node's delta at its
+    full size, as if the nodes' steps had been taken one after another) and tries λ = 0.5 beside
+    it; what each method measured: docs/merging.md.
     """
 
-    candidates: list[MergeSpec] = Field(default_factory=list)
+    candidates: list[MergeSpec] = Field(default_factory=_default_candidates)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_method_has_no_default_candidates(cls, data: Any) -> Any:
+        """A plan that names its own method or parameters tries only the candidates it lists."""
+        if (
+            isinstance(data, dict)
+            and "candidates" not in data
+            and ("method" in data or "parameters" in data)
+        ):
+            return {**data, "candidates": []}
+        return data
 
     def specs(self) -> list[MergeSpec]:
         """This spec and the candidates, without repeats, in order."""
@@ -167,6 +227,11 @@ class CoordinatorConfig(BaseModel):
     round: RoundPolicy = Field(default_factory=RoundPolicy)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     gates: GateConfig = Field(default_factory=GateConfig)
+    publish: PublishPolicy = Field(default_factory=PublishPolicy)
+    outer: OuterOptimizerConfig = Field(
+        default_factory=OuterOptimizerConfig,
+        description="outer optimizer across rounds: the merged delta as a pseudo-gradient",
+    )
 
     @field_validator("merge", mode="before")
     @classmethod

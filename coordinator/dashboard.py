@@ -1,7 +1,9 @@
 """The coordinator's web dashboard: one page that reads the public /v1 API and shows the nodes
-(domain, last seen, step, reward), the rounds with their evaluation tables, and the curves of
-held-out success per domain, round after round. No build step and no external assets: the page is
-plain HTML with a small script, safe to serve from an air-gapped box.
+(domain, last seen, step, reward), the rounds with their evaluation tables (success rates with
+their intervals), the publication verdict of each round (published or held, why, and the paired
+difference to the base), and the published model's held-out success per domain, round after round.
+No build step and no external assets: the page is plain HTML with a small script, safe to serve
+from an air-gapped box.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ DASHBOARD_HTML = """<!doctype html>
   td.num { text-align: right; font-variant-numeric: tabular-nums; }
   .round { border: 1px solid #d0d7de; border-radius: 6px; padding: .5rem .9rem; margin: .5rem 0; }
   .status-published, .status-merged { color: #1a7f37; }
+  .status-held { color: #9a6700; }
   .status-failed { color: #cf222e; }
+  .decision { margin: .25rem 0; }
   code { font-size: 12px; }
   svg text { font-size: 11px; fill: #445; }
 </style>
@@ -66,6 +70,24 @@ function percent(value) {
   return typeof value === "number" ? (100 * value).toFixed(1) + "%" : "–";
 }
 
+// "62.5% [50.3–73.4]": a scores row's success rate and its interval (the rate alone for rows
+// recorded without one, "–" for a domain the model was not scored on).
+function successCell(row) {
+  if (!row || typeof row.success_rate !== "number") return "–";
+  if (typeof row.success_low !== "number" || typeof row.success_high !== "number") {
+    return percent(row.success_rate);
+  }
+  return percent(row.success_rate) + " [" + (100 * row.success_low).toFixed(1) + "–" +
+    (100 * row.success_high).toFixed(1) + "]";
+}
+
+// A difference of fractions as signed percentage points: 0.125 -> "+12.5".
+function signedPoints(value) {
+  if (typeof value !== "number") return "–";
+  const shown = (100 * value).toFixed(1);
+  return Number(shown) >= 0 ? "+" + shown.replace("-", "") : shown;
+}
+
 function short(id) { return id ? String(id).slice(0, 12) : "–"; }
 
 function ago(iso) {
@@ -79,26 +101,66 @@ function ago(iso) {
 function evaluationTable(evaluation) {
   const labels = Object.keys(evaluation || {});
   if (!labels.length) return el("div", {class: "muted"}, "no evaluation yet");
-  const domains = [...new Set(labels.flatMap((label) => Object.keys(evaluation[label] || {})))];
+  const domains = [...new Set(labels.flatMap((label) => Object.keys(evaluation[label] || {})))]
+    .sort();
   const rows = labels.map((label) => [label, ...domains.map((domain) =>
-    percent((evaluation[label][domain] || {}).success_rate))]);
+    successCell((evaluation[label] || {})[domain]))]);
   return table(["model", ...domains.map((d) => d + " success")], rows);
 }
 
-function curves(rounds) {
+// The publication rule's verdict: published or held and why, and per domain the paired
+// difference candidate − base on the validation tasks with its interval and p-values.
+function decisionBlock(round) {
+  const decision = round.decision;
+  if (!decision) return round.error ? el("div", {class: "status-failed"}, round.error) : "";
+  const comparisons = Object.entries(decision.comparisons || {})
+    .sort((a, b) => a[0].localeCompare(b[0]));
+  const p = (value) => typeof value === "number" ? value.toPrecision(3) : "–";
+  return el("div", {class: "decision"},
+    el("div", {class: decision.publish ? "status-published" : "status-held"},
+      (decision.publish ? "publish: " : "held: ") + decision.reason),
+    comparisons.length ? table(
+      ["domain", "candidate − base (points)", "tasks", "p worse", "p better"],
+      comparisons.map(([domain, c]) => [domain,
+        signedPoints(c.mean) + " [" + signedPoints(c.low) + ", " + signedPoints(c.high) + "]",
+        c.n, p(c.p_worse), p(c.p_better)])) : "");
+}
+
+// Per domain, the published model's success after each evaluated round: the first round's base
+// before it, then a published round's merged row, or for a held round the value carried over.
+function publishedSeries(rounds) {
+  const evaluated = rounds.filter((r) => Object.keys(r.evaluation || {}).length)
+    .sort((a, b) => a.number - b.number);
   const points = {};
-  for (const round of rounds) {
-    const merged = (round.evaluation || {}).merged || {};
-    for (const [domain, score] of Object.entries(merged)) {
-      if (typeof score.success_rate === "number") {
-        (points[domain] = points[domain] || []).push([round.number, score.success_rate]);
+  if (!evaluated.length) return points;
+  let current = {};
+  for (const [domain, row] of Object.entries(evaluated[0].evaluation.base || {})) {
+    if (row && typeof row.success_rate === "number") current[domain] = row;
+  }
+  const add = (number, held) => {
+    for (const [domain, row] of Object.entries(current)) {
+      (points[domain] = points[domain] || []).push({number, row, held});
+    }
+  };
+  add(evaluated[0].number - 1, false);
+  for (const round of evaluated) {
+    const published = round.status === "published";
+    if (published) {
+      for (const [domain, row] of Object.entries(round.evaluation.merged || {})) {
+        if (row && typeof row.success_rate === "number") current = {...current, [domain]: row};
       }
     }
+    add(round.number, !published);
   }
+  return points;
+}
+
+function curves(rounds) {
+  const points = publishedSeries(rounds);
   const domains = Object.keys(points).sort();
-  if (!domains.length) return el("div", {class: "muted"}, "no merged rounds yet");
+  if (!domains.length) return el("div", {class: "muted"}, "no evaluated rounds yet");
   const width = 520, height = 220, left = 40, bottom = 30, top = 10, right = 110;
-  const numbers = domains.flatMap((d) => points[d].map((p) => p[0]));
+  const numbers = domains.flatMap((d) => points[d].map((p) => p.number));
   const lo = Math.min(...numbers), hi = Math.max(...numbers, lo + 1);
   const x = (n) => left + (width - left - right) * (n - lo) / (hi - lo);
   const y = (v) => top + (height - top - bottom) * (1 - v);
@@ -120,13 +182,23 @@ function curves(rounds) {
   add("text", {x: width - right - 50, y: height - 8}, "round " + hi);
   domains.forEach((domain, index) => {
     const color = COLORS[index % COLORS.length];
-    const series = points[domain].sort((a, b) => a[0] - b[0]);
+    const series = points[domain];
     add("polyline", {fill: "none", stroke: color, "stroke-width": 2,
-      points: series.map(([n, v]) => x(n) + "," + y(v)).join(" ")});
-    for (const [n, v] of series) add("circle", {cx: x(n), cy: y(v), r: 3, fill: color});
+      points: series.map((p) => x(p.number) + "," + y(p.row.success_rate)).join(" ")});
+    for (const {number, row, held} of series) {
+      if (typeof row.success_low === "number" && typeof row.success_high === "number") {
+        add("line", {x1: x(number), x2: x(number), y1: y(row.success_low),
+          y2: y(row.success_high), stroke: color, "stroke-width": 1, "stroke-opacity": 0.6});
+      }
+      add("circle", {cx: x(number), cy: y(row.success_rate), r: held ? 4 : 3,
+        fill: held ? "#fff" : color, stroke: color, "stroke-width": held ? 2 : 0,
+        "data-held": held ? "true" : "false"});
+    }
     add("text", {x: width - right + 8, y: top + 14 * (index + 1), fill: color,
       "data-domain": domain}, domain);
   });
+  add("text", {x: width - right + 8, y: height - bottom - 14}, "○ held round");
+  add("text", {x: width - right + 8, y: height - bottom}, "| interval");
   return svg;
 }
 
@@ -160,8 +232,8 @@ async function refresh() {
       " · " + (round.inputs || []).length + " deltas",
       round.trigger ? " · " + round.trigger : "",
       round.checkpoint_id ? " · checkpoint " + short(round.checkpoint_id) : "",
-      round.error ? el("div", {class: "status-failed"}, round.error) : "",
-      evaluationTable(round.evaluation))));
+      evaluationTable(round.evaluation),
+      decisionBlock(round))));
     document.getElementById("checkpoints").replaceChildren(table(
       ["revision", "round", "retired"],
       checkpoints.map((c) => [c.revision, c.round, c.retired ? "yes" : "no"])));

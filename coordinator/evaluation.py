@@ -9,20 +9,43 @@ import math
 import shutil
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from skillswarm.agent.stats import wilson_interval
 from skillswarm.coordinator.config import EvalConfig
 from skillswarm.coordinator.gates import write_expert_checkpoint
 from skillswarm.coordinator.store import DeltaRecord
 from skillswarm.protocol.delta import DeltaReader
 
-__all__ = ["DomainScores", "Evaluator", "expert_label", "mean_reward"]
+if TYPE_CHECKING:
+    from skillswarm.agent.evaluate import EvalResult
+
+__all__ = [
+    "DomainScores",
+    "Evaluator",
+    "ExpertInput",
+    "expert_label",
+    "mean_reward",
+    "scores_row",
+]
 
 log = logging.getLogger(__name__)
 
 DomainScores = dict[str, dict[str, Any]]
-"""{domain: {"mean_reward", "success_rate", "n"}} of one checkpoint."""
+"""{domain: row} of one checkpoint; a row holds "mean_reward", "success_rate", "n", the success
+rate's interval "success_low"/"success_high", and the per-task "rewards", "successes" and
+"task_ids" in task order (so that two checkpoints scored on the same tasks compare pairwise)."""
+
+
+@dataclass(frozen=True)
+class ExpertInput:
+    """One delta of a round, scored applied alone to the base: its table label and domain."""
+
+    label: str
+    domain: str
+    reader: DeltaReader
 
 
 class Evaluator:
@@ -63,21 +86,19 @@ class Evaluator:
             if policy is None:
                 policy = load_policy(folder)
             result = evaluate_checkpoint(policy, domain, n_tasks=n_tasks, seed=seed)
-            scores[domain] = {
-                "mean_reward": _finite(result.mean_reward),
-                "success_rate": _finite(result.success_rate),
-                "n": result.n,
-            }
+            scores[domain] = scores_row(result, self.eval_config.level)
             if cache_as is not None:
                 with self._cache_lock:
                     self._score_cache[key] = scores[domain]
         return scores
 
-    def validation_scores(self, folder: Path) -> DomainScores:
+    def validation_scores(self, folder: Path, cache_as: str | None = None) -> DomainScores:
         """Scores on the validation tasks (not the reported ones) over every configured domain:
-        what chooses among merge candidates."""
+        what chooses among merge candidates and what the publication rule compares."""
         config = self.eval_config
-        return self.scores(folder, config.domains, config.n_tasks, config.validation_tasks_seed())
+        return self.scores(
+            folder, config.domains, config.n_tasks, config.validation_tasks_seed(), cache_as
+        )
 
     def evaluate(self, checkpoints: Mapping[str, Path]) -> dict[str, DomainScores]:
         """Held-out scores of each named checkpoint on every configured domain."""
@@ -91,24 +112,43 @@ class Evaluator:
         self,
         base_id: str,
         base_dir: Path,
-        accepted: Sequence[DeltaRecord],
-        readers: Mapping[str, DeltaReader],
+        experts: Sequence[ExpertInput],
         merged_dir: Path,
         work: Path,
     ) -> dict[str, Any]:
-        """Held-out scores of the base, each expert (its delta applied alone) and the merged
-        candidate on every configured domain, all through the same rollout engine."""
+        """Held-out scores of the base, each expert (its delta applied alone; on every domain,
+        its own or none, as eval.experts says) and the merged candidate, all on the same tasks
+        through the same rollout engine."""
         config = self.eval_config
         domains, n_tasks, seed = config.domains, config.n_tasks, config.seed
         table: dict[str, Any] = {
             "base": self.scores(base_dir, domains, n_tasks, seed, cache_as=base_id)
         }
-        for record in accepted:
-            folder = write_expert_checkpoint(base_dir, readers[record.id], work / "expert")
-            table[expert_label(record)] = self.scores(folder, domains, n_tasks, seed)
+        for expert in experts if config.experts != "none" else ():
+            scored = domains if config.experts == "all" else [expert.domain]
+            scored = [d for d in scored if d in domains]
+            if not scored:
+                continue
+            folder = write_expert_checkpoint(base_dir, expert.reader, work / "expert")
+            table[expert.label] = self.scores(folder, scored, n_tasks, seed)
             shutil.rmtree(folder, ignore_errors=True)
         table["merged"] = self.scores(merged_dir, domains, n_tasks, seed)
         return table
+
+
+def scores_row(result: EvalResult, level: float = 0.95) -> dict[str, Any]:
+    """One checkpoint's row on one domain (see DomainScores) from its evaluation."""
+    low, high = wilson_interval(sum(result.successes), result.n, level)
+    return {
+        "mean_reward": _finite(result.mean_reward),
+        "success_rate": _finite(result.success_rate),
+        "n": result.n,
+        "success_low": low,
+        "success_high": high,
+        "rewards": [float(r) for r in result.rewards],
+        "successes": [int(v) for v in result.successes],
+        "task_ids": list(result.task_ids),
+    }
 
 
 def expert_label(record: DeltaRecord) -> str:

@@ -9,12 +9,14 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from skillswarm.coordinator.config import CoordinatorConfig, MergePlan
-from skillswarm.coordinator.evaluation import Evaluator, mean_reward
+from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, expert_label, mean_reward
+from skillswarm.coordinator.publication import publication_decision
 from skillswarm.coordinator.registry import CheckpointInfo, Registry, RevisionNotFound
 from skillswarm.coordinator.store import (
     CheckpointRecord,
@@ -25,6 +27,7 @@ from skillswarm.coordinator.store import (
     utcnow,
 )
 from skillswarm.merge.methods import MergeSpec
+from skillswarm.merge.outer import OuterOptimizer
 from skillswarm.merge.streaming import TaskVector, merge_checkpoint
 from skillswarm.merge.tensors import MergeError
 from skillswarm.protocol.api import DeltaStatus, RoundStatus, RoundTrigger
@@ -34,13 +37,26 @@ from skillswarm.protocol.manifest import DeltaManifest
 from skillswarm.protocol.messages import CheckpointPublished, encode_message
 from sqlalchemy import select
 
-__all__ = ["MERGE_WORK_PREFIX", "MissingBaseCheckpoint", "Rounds", "round_dict"]
+__all__ = [
+    "MERGE_WORK_PREFIX",
+    "MissingBaseCheckpoint",
+    "Rounds",
+    "Candidates",
+    "candidate_validation",
+    "merge_candidates",
+    "round_dict",
+]
 
 log = logging.getLogger(__name__)
 
 MERGE_WORK_PREFIX = "merge-"  # work folders of a merge under work_dir; removed at start
 # A round in one of these states is over: the next one opens.
-CLOSED_STATUSES = (RoundStatus.PUBLISHED, RoundStatus.FAILED, RoundStatus.ABANDONED)
+CLOSED_STATUSES = (
+    RoundStatus.PUBLISHED,
+    RoundStatus.HELD,
+    RoundStatus.FAILED,
+    RoundStatus.ABANDONED,
+)
 
 
 class MissingBaseCheckpoint(RuntimeError):
@@ -72,6 +88,7 @@ class Rounds:
         self._publish_gossip = publish_gossip
         self._state_lock = threading.RLock()
         self._merge_lock = threading.Lock()
+        self.outer = OuterOptimizer(config.work_dir / "outer", config.outer)
 
     # state ---------------------------------------------------------------------------------
 
@@ -147,7 +164,9 @@ class Rounds:
 
     def recover_interrupted_round(self) -> None:
         """A round left "merging" by a crash: record it if its checkpoint reached the registry
-        (publication is atomic), else reopen it so that it merges again."""
+        (publication is atomic), else reopen it so that it merges again. The outer optimizer's
+        pending state is kept if its checkpoint was published, else dropped."""
+        self.outer.recover(self._published_for)
         with self.store.session() as s:
             last = s.scalars(select(RoundRecord).order_by(RoundRecord.number.desc())).first()
             if last is None or last.status != RoundStatus.MERGING:
@@ -168,6 +187,13 @@ class Rounds:
                 raise LookupError(f"round {number} vanished from the store during recovery")
             row.status = RoundStatus.OPEN
         log.info("round %d's merge was cut short; it merges again once its policy is met", number)
+
+    def _published_for(self, number: int, parent: str) -> str | None:
+        """The id of the checkpoint published by round `number` on `parent`, if any."""
+        for info in self.registry.list():
+            if info.round == number and info.parent == parent and not info.retired:
+                return info.id
+        return None
 
     def ensure_open_round(self) -> None:
         """Open the next round on `main` unless the last one is still open or merging."""
@@ -275,27 +301,47 @@ class Rounds:
             base_dir = self.registry.checkpoint_dir(base)
             readers = {record.id: _reader_of(record, self.blobs) for record in accepted}
             experts = [TaskVector(name=i[:16], expert=r.expert) for i, r in readers.items()]
-            chosen, candidate_dir, candidates = self._merge_candidates(
-                plan.specs(), base_dir, experts, work
+            merged = merge_candidates(plan.specs(), base_dir, experts, work, self.evaluator)
+            chosen, candidates = merged.spec, merged.records
+            candidate_dir = self.outer.step(
+                base.id, base_dir, merged.folder, work / "stepped", number
             )
             evaluation = self.evaluator.evaluation_table(
-                base.id, base_dir, accepted, readers, candidate_dir, work
-            )
-            info = self.registry.publish(
+                base.id,
+                base_dir,
+                [
+                    ExpertInput(expert_label(record), record.domain, readers[record.id])
+                    for record in accepted
+                ],
                 candidate_dir,
-                round=number,
-                parent=base.id,
-                method=chosen.method,
-                extra={
-                    "inputs": [d.id for d in accepted],
-                    "evaluation": evaluation,
-                    "merge_spec": chosen.model_dump(),
-                    "candidates": candidates,
-                    "trigger": trigger,
-                    "merge_seconds": round(time.monotonic() - started, 3),
-                },
+                work,
+            )
+            decision = publication_decision(
+                self.evaluator.validation_scores(base_dir, cache_as=base.id),
+                candidate_validation(merged, candidate_dir, self.evaluator),
+                self.config.publish,
+                self.config.eval.level,
+            )
+            extra = {
+                "inputs": [d.id for d in accepted],
+                "evaluation": evaluation,
+                "merge_spec": chosen.model_dump(),
+                "candidates": candidates,
+                "trigger": trigger,
+                "merge_seconds": round(time.monotonic() - started, 3),
+                "decision": decision.to_dict(),
+                "outer": self.config.outer.model_dump(),
+            }
+            if not decision.publish:
+                self.outer.discard()
+                self.record_held(number, base_id, extra)
+                log.warning("round %d held: %s", number, decision.reason)
+                return None
+            info = self.registry.publish(
+                candidate_dir, round=number, parent=base.id, method=chosen.method, extra=extra
             )
         except Exception as exc:  # any failure ends the round on record, never half-published
+            self.outer.discard()
             with self._state_lock, self.store.session() as s:
                 row = s.get(RoundRecord, number)
                 if row is not None:
@@ -307,10 +353,37 @@ class Rounds:
             raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        self.outer.commit(info.id)
         self.record_published(number, info)
-        log.info("round %d published checkpoint %s", number, info.id[:12])
+        log.info("round %d published checkpoint %s (%s)", number, info.id[:12], decision.reason)
         self._announce_checkpoint(info, number, base_id)
         return info
+
+    def record_held(self, number: int, base_id: str, extra: dict[str, Any]) -> None:
+        """Record round `number` as held (its candidate failed the publication rule): its deltas
+        are set aside with the reason, and the next round opens on the same base."""
+        reason = f"round {number} held: {extra['decision']['reason']}"
+        with self._state_lock, self.store.session() as s:
+            row = s.get(RoundRecord, number)
+            if row is None:
+                raise LookupError(f"no round {number} to hold")
+            row.status = RoundStatus.HELD
+            row.evaluation = dict(extra["evaluation"])
+            row.candidates = list(extra["candidates"])
+            row.method = dict(extra["merge_spec"])
+            row.merge_seconds = extra["merge_seconds"]
+            row.decision = dict(extra["decision"])
+            row.error = reason
+            row.finished_at = utcnow()
+            for delta_id in extra["inputs"]:
+                delta = s.get(DeltaRecord, delta_id)
+                if delta is not None:
+                    delta.status, delta.reason, delta.rejection_kind = (
+                        DeltaStatus.REJECTED,
+                        reason,
+                        "held",
+                    )
+            s.add(RoundRecord(number=number + 1, base_id=base_id, status=RoundStatus.OPEN))
 
     def record_published(self, number: int, info: CheckpointInfo) -> None:
         """Record round `number` as published by `info` (whose extra holds the round's results)
@@ -327,6 +400,7 @@ class Rounds:
             row.method = dict(extra.get("merge_spec", row.method))
             row.trigger = extra.get("trigger", row.trigger)
             row.merge_seconds = extra.get("merge_seconds")
+            row.decision = dict(extra.get("decision") or {})
             row.checkpoint_id = info.id
             row.error = None
             row.finished_at = utcnow()
@@ -344,43 +418,6 @@ class Rounds:
                 )
             )
             s.add(RoundRecord(number=number + 1, base_id=info.id, status=RoundStatus.OPEN))
-
-    def _merge_candidates(
-        self, specs: Sequence[MergeSpec], base_dir: Path, experts: Sequence[TaskVector], work: Path
-    ) -> tuple[MergeSpec, Path, list[dict[str, Any]]]:
-        """Merge by each spec; with one spec that is the candidate, with several the best mean
-        reward on the validation tasks wins. Returns the chosen spec, its folder, and every
-        candidate's record (empty with a single spec)."""
-        if len(specs) == 1:
-            return specs[0], merge_checkpoint(base_dir, experts, work / "candidate", specs[0]), []
-        seed = self.config.eval.validation_tasks_seed()
-        records: list[dict[str, Any]] = []
-        best: tuple[int, Path, float] | None = None
-        for index, spec in enumerate(specs):
-            folder = work / f"candidate-{index}"
-            record: dict[str, Any] = {"spec": spec.model_dump(), "seed": seed, "chosen": False}
-            records.append(record)
-            try:
-                merge_checkpoint(base_dir, experts, folder, spec)
-            except Exception as exc:  # one unusable candidate does not sink the round
-                record |= {"error": f"{type(exc).__name__}: {exc}", "score": None}
-                shutil.rmtree(folder, ignore_errors=True)
-                continue
-            scores = self.evaluator.validation_scores(folder)
-            score = sum(mean_reward(row) for row in scores.values()) / len(scores)
-            record |= {"validation": scores, "score": score}
-            if best is None or score > best[2]:
-                if best is not None:
-                    shutil.rmtree(best[1], ignore_errors=True)
-                best = (index, folder, score)
-            else:
-                shutil.rmtree(folder, ignore_errors=True)
-        if best is None:
-            errors = "; ".join(f"{r['spec']['method']}: {r['error']}" for r in records)
-            raise MergeError(f"every merge candidate failed: {errors}")
-        records[best[0]]["chosen"] = True
-        log.info("merge candidates scored %s", [(r["spec"]["method"], r["score"]) for r in records])
-        return specs[best[0]], best[1], records
 
     def _announce_checkpoint(self, info: CheckpointInfo, number: int, parent: str) -> None:
         try:
@@ -445,6 +482,75 @@ class Rounds:
         log.info("round abandoned: %s; the next round builds on %s", reason, new_base.id[:12])
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """The chosen merge: its spec and folder, every candidate's record (empty with a single
+    spec), and the chosen one's validation scores when they were computed to choose it."""
+
+    spec: MergeSpec
+    folder: Path
+    records: list[dict[str, Any]]
+    validation: dict[str, dict[str, Any]] | None
+
+
+def merge_candidates(
+    specs: Sequence[MergeSpec],
+    base_dir: Path,
+    experts: Sequence[TaskVector],
+    work: Path,
+    evaluator: Evaluator,
+) -> Candidates:
+    """Merge by each spec; with one spec that is the candidate, with several the best mean
+    reward on the validation tasks wins (ties to the earlier)."""
+    if len(specs) == 1:
+        folder = merge_checkpoint(base_dir, experts, work / "candidate", specs[0])
+        return Candidates(specs[0], folder, [], None)
+    seed = evaluator.eval_config.validation_tasks_seed()
+    records: list[dict[str, Any]] = []
+    best: tuple[int, Path, float, dict[str, dict[str, Any]]] | None = None
+    for index, spec in enumerate(specs):
+        folder = work / f"candidate-{index}"
+        record: dict[str, Any] = {"spec": spec.model_dump(), "seed": seed, "chosen": False}
+        records.append(record)
+        try:
+            merge_checkpoint(base_dir, experts, folder, spec)
+        except Exception as exc:  # one unusable candidate does not sink the round
+            record |= {"error": f"{type(exc).__name__}: {exc}", "score": None}
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        scores = evaluator.validation_scores(folder)
+        score = sum(mean_reward(row) for row in scores.values()) / len(scores)
+        record |= {"validation": _without_outcomes(scores), "score": score}
+        if best is None or score > best[2]:
+            if best is not None:
+                shutil.rmtree(best[1], ignore_errors=True)
+            best = (index, folder, score, scores)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+    if best is None:
+        errors = "; ".join(f"{r['spec']['method']}: {r['error']}" for r in records)
+        raise MergeError(f"every merge candidate failed: {errors}")
+    records[best[0]]["chosen"] = True
+    log.info("merge candidates scored %s", [(r["spec"]["method"], r["score"]) for r in records])
+    return Candidates(specs[best[0]], best[1], records, best[3])
+
+
+def candidate_validation(
+    merged: Candidates, candidate_dir: Path, evaluator: Evaluator
+) -> dict[str, dict[str, Any]]:
+    """The validation scores of the checkpoint to publish: the chosen merge's own when the outer
+    step left it as it was, else scored now."""
+    if merged.validation is not None and candidate_dir == merged.folder:
+        return merged.validation
+    return evaluator.validation_scores(candidate_dir)
+
+
+def _without_outcomes(scores: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Validation rows without their per-task lists (kept only for the reported table)."""
+    drop = {"rewards", "successes", "task_ids"}
+    return {d: {k: v for k, v in row.items() if k not in drop} for d, row in scores.items()}
+
+
 def round_dict(row: RoundRecord) -> dict[str, Any]:
     """A round row as the API lists it (see skillswarm.protocol.api.RoundOut)."""
     return {
@@ -458,6 +564,7 @@ def round_dict(row: RoundRecord) -> dict[str, Any]:
         "trigger": row.trigger,
         "merge_seconds": row.merge_seconds,
         "checkpoint_id": row.checkpoint_id,
+        "decision": row.decision or None,
         "error": row.error,
         "started_at": row.started_at,
         "finished_at": row.finished_at,

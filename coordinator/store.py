@@ -83,6 +83,8 @@ class RoundRecord(Base):
     trigger: Mapped[str | None] = mapped_column(String(16))  # quorum | deadline | operator
     merge_seconds: Mapped[float | None] = mapped_column(Float)
     checkpoint_id: Mapped[str | None] = mapped_column(String(64))
+    # {publish, reason, comparisons: {domain: paired difference}}: the publication rule's verdict
+    decision: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     error: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))

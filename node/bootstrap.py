@@ -41,6 +41,29 @@ DEFAULT_WARM_START_BATCH_SIZE = 16
 DEFAULT_WARM_START_LR = 1.5e-3
 
 
+EMBEDDED_BASE_PACKAGE = "skillswarm"
+EMBEDDED_BASE_FOLDER = "embedded_base"
+
+
+class EmbeddedBaseMissing(FileNotFoundError):
+    """The package was installed without the prebuilt embedded base."""
+
+
+def embedded_base() -> Path:
+    """The prebuilt embedded base shipped inside the package (built by `skillswarm bootstrap`
+    with the recommended settings; its `skillswarm_base.json` says how). Every machine starts
+    from these same weights; `skillswarm bootstrap DIR` rebuilds one."""
+    from importlib.resources import files
+
+    folder = Path(str(files(EMBEDDED_BASE_PACKAGE) / EMBEDDED_BASE_FOLDER))
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise EmbeddedBaseMissing(
+            f"the prebuilt base is not in this installation ({folder}); build one with "
+            "`skillswarm bootstrap DIR`"
+        )
+    return folder
+
+
 def render_demonstrations(
     tokenizer: PreTrainedTokenizerBase,
     environments: Sequence[Environment],
@@ -127,6 +150,24 @@ def create_base_checkpoint(
         "warm_start_final_loss": losses[-1] if losses else None,
         "copy_pretraining_steps": 0 if copied is None else copied.steps,
         "copy_accuracy": None if copied is None else copied.accuracy,
+        "built_with": _versions(),
     }
     (out_dir / "skillswarm_base.json").write_text(json.dumps(provenance, indent=2) + "\n")
     return out_dir
+
+
+def _versions() -> dict[str, str]:
+    """The library versions a base was built with (its weights follow them to the last bits)."""
+    import platform
+
+    import tokenizers
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "machine": platform.machine(),
+    }

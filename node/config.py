@@ -1,12 +1,14 @@
-"""A training node's configuration: one TOML file, every field with a laptop-ready default."""
+"""A training node's configuration: one TOML file, every field with a laptop-ready default; the
+[train] settings start from the domain's recipe and the file's fields override it one by one."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from skillswarm.node.pipeline import RLConfig
+from skillswarm.node.recipes import DOMAIN_RECIPES
 
 
 class InferenceConfig(BaseModel):
@@ -26,7 +28,12 @@ class InferenceConfig(BaseModel):
 
 
 class NodeConfig(BaseModel):
-    """Everything `skillswarm node run` needs."""
+    """Everything `skillswarm node run` needs.
+
+    `train` is the domain's recipe (node/recipes.py; RLConfig's defaults for a domain without
+    one) with each field the user set put over it, [train.loss] fields one by one too: from a
+    TOML table or dict its keys, from an RLConfig its `model_fields_set`, recursively.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -62,10 +69,72 @@ class NodeConfig(BaseModel):
     )
     train: RLConfig = Field(
         default_factory=RLConfig,
-        description="one round's RL budget and hyper-parameters ([train], [train.loss])",
+        description="one round's RL budget and hyper-parameters ([train], [train.loss]); "
+        "fields left out take the domain's recipe (node/recipes.py)",
     )
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _train_over_the_recipe(cls, data: Any) -> Any:
+        """Lay the fields the user set in `train` over the domain's recipe; validation of the
+        result is RLConfig's, so an error still names the field (train.steps, train.loss.…)."""
+        if not isinstance(data, dict):
+            return data
+        domain = data.get("domain", cls.model_fields["domain"].default)
+        recipe = DOMAIN_RECIPES.get(domain) if isinstance(domain, str) else None
+        if recipe is None:  # RLConfig's own defaults fill what the user left out
+            return data
+        chosen = _fields_set(data.get("train", {}))
+        if not isinstance(chosen, dict):  # not a table: RLConfig's validation says so
+            return data
+        return {**data, "train": _layered(recipe.model_dump(), chosen)}
 
     @property
     def identity_path(self) -> Path:
         return self.identity_file or self.work_dir / "identity.key"
+
+    @property
+    def train_recipe(self) -> str | None:
+        """The domain whose recipe `train` starts from; None when the domain has no recipe and
+        RLConfig's defaults are the start."""
+        return self.domain if self.domain in DOMAIN_RECIPES else None
+
+    @property
+    def train_overrides(self) -> list[str]:
+        """The `train` fields whose values differ from that start, as sorted paths such as
+        ["loss.kl_coef", "steps"]. Read from the values, so a config written to TOML and read
+        back reports the same."""
+        start = DOMAIN_RECIPES.get(self.domain) or RLConfig()
+        return sorted(_differing_paths(start.model_dump(), self.train.model_dump()))
+
+
+def _fields_set(value: Any) -> Any:
+    """What the user set: a model's `model_fields_set` and a dict's keys, nested ones included;
+    any other value as it is."""
+    if isinstance(value, BaseModel):
+        return {name: _fields_set(getattr(value, name)) for name in value.model_fields_set}
+    if isinstance(value, dict):
+        return {key: _fields_set(item) for key, item in value.items()}
+    return value
+
+
+def _layered(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`base` with each entry of `over` in place of its own, tables merged key by key."""
+    merged = dict(base)
+    for key, value in over.items():
+        below = merged.get(key)
+        both_tables = isinstance(below, dict) and isinstance(value, dict)
+        merged[key] = _layered(below, value) if both_tables else value
+    return merged
+
+
+def _differing_paths(start: dict[str, Any], actual: dict[str, Any], prefix: str = "") -> list[str]:
+    paths: list[str] = []
+    for key, value in actual.items():
+        before = start.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            paths += _differing_paths(before, value, f"{prefix}{key}.")
+        elif value != before:
+            paths.append(f"{prefix}{key}")
+    return paths

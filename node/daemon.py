@@ -2,7 +2,8 @@
 
 One round: fetch base B_r from the coordinator's registry (every file's sha256 checked), run RL on
 the node's domain, compute Δ = θ − B_r, store it as a blob, sign its manifest, announce it on
-gossip and serve it until the coordinator has it, then wait for the merged checkpoint B_{r+1}.
+gossip and serve it until the coordinator has it, then wait for the merged checkpoint B_{r+1}, or
+for round r+1 to open on B_r again when the coordinator held round r.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class NodeError(RuntimeError):
 
 @dataclass(frozen=True)
 class RoundResult:
+    """One round as the node saw it. `next_base_id` is the base the next round trains on: the
+    merged checkpoint, or `base_id` again when the coordinator `held` the round (it closed without
+    publishing one); None when the wait ended first (the node was stopped, or round_timeout_s)."""
+
     round: int
     base_id: str
     delta_id: str
@@ -58,6 +63,7 @@ class RoundResult:
     reason: str | None
     next_base_id: str | None
     metrics: dict[str, float]
+    held: bool = False
 
 
 class CoordinatorClient:
@@ -148,6 +154,7 @@ class NodeDaemon:
 
         torch.set_num_threads(self.config.torch_threads)
         self._check_sandbox()
+        log.info("%s", training_summary(self.config))
         answered, info = self._ask_while_away(self.client.info, "reach it", STARTUP_TIMEOUT_S)
         if not answered or info is None:  # stopped before the coordinator answered
             return []
@@ -241,10 +248,12 @@ class NodeDaemon:
                 log.warning("cannot dial %s: %s", addr, exc)
 
     def run_round(self, info: InfoOut) -> RoundResult | None:
-        """Train one round on the current base and publish the delta; wait for the merge.
-        Returns None when the daemon was stopped during training (its checkpoint is kept, and
-        the next start resumes it). A delta already published for this round and base (the
-        daemon restarted after publishing) is announced again instead of trained anew."""
+        """Train one round on the current base and publish the delta; wait for the round to
+        close, merged or held. Returns None when the daemon was stopped during training (its
+        checkpoint is kept, and the next start resumes it). A delta already published for this
+        round and base (the daemon restarted after publishing) is announced again instead of
+        trained anew; one kept for an earlier round, closed since, is not. A delta refused as
+        stale (its round closed first) ends the round; any other refusal ends the node."""
         assert self.host is not None
         number, base_id, revision = info.round, info.base_id, info.base_revision
         self._keep_connected(info.multiaddrs)  # the coordinator may listen elsewhere now
@@ -279,11 +288,18 @@ class NodeDaemon:
         if record is None:
             return None
         if record.status == DeltaStatus.REJECTED:
-            raise NodeError(
-                f"coordinator rejected delta {signed.manifest_id[:12]}: {record.reason}"
+            if record.rejection_kind != "stale":
+                raise NodeError(
+                    f"coordinator rejected delta {signed.manifest_id[:12]}: {record.reason}"
+                )
+            log.warning(  # the round closed (merged or held) before the delta came in
+                "round=%d delta %s came too late (%s); going on to the next round",
+                number,
+                signed.manifest_id[:12],
+                record.reason,
             )
         self.status.update(phase="waiting for the merge")
-        next_base = self._wait_for_next_base(base_id)
+        next_base = self._wait_for_next_base(base_id, number)
         if next_base is None and self._stop.is_set():
             return None
         self.status.rounds.inc()
@@ -295,6 +311,7 @@ class NodeDaemon:
             record.reason,
             next_base,
             metrics,
+            held=next_base == base_id,
         )
 
     def _ask_while_away(
@@ -543,7 +560,11 @@ class NodeDaemon:
             return None
         raise NodeError(f"coordinator did not record delta {signed.manifest_id[:12]} in time")
 
-    def _wait_for_next_base(self, base_id: str) -> str | None:
+    def _wait_for_next_base(self, base_id: str, number: int) -> str | None:
+        """Wait for round `number`, trained on `base_id`, to close; return the next round's base.
+        That is the merged checkpoint the coordinator published, or `base_id` again when it
+        opened a later round on the same base (it held round `number`: a merge worse than the
+        base is not published). None when the daemon is stopped or round_timeout_s passes."""
         deadline = time.monotonic() + self.config.round_timeout_s
         outage = _Outage(self.client.url)
         while time.monotonic() < deadline and not self._stop.is_set():
@@ -553,13 +574,41 @@ class NodeDaemon:
                 continue
             if info.base_id != base_id:
                 log.info(
-                    "merged checkpoint %s published (round %d)",
+                    "merged checkpoint %s published; round %d trains on it",
                     info.base_id[:12],
-                    info.round - 1,
+                    info.round,
                 )
                 return info.base_id
+            if info.round > number:
+                log.info(
+                    "round %d was held; training round %d from the same base", number, info.round
+                )
+                return base_id
             self._stop.wait(2.0)
         return None
+
+
+def training_summary(config: NodeConfig) -> str:
+    """One line on the settings a node trains with: the recipe they start from, the main
+    hyper-parameters, and the fields the config sets otherwise."""
+    train = config.train
+    if config.train_recipe is not None:
+        start = f"the {config.train_recipe} recipe"
+    else:
+        start = f"RLConfig's defaults, {config.domain} having no recipe,"
+    optimizer = {"adamw": "AdamW", "sgd": "SGD"}.get(train.optimizer, train.optimizer)
+    settings = (
+        f"{optimizer} lr {train.learning_rate:g}, temperature {train.temperature:g}, "
+        f"{train.tasks_per_step} tasks x {train.samples_per_task} samples"
+    )
+    values = train.model_dump()
+    overridden = []
+    for path in config.train_overrides:
+        value: Any = values
+        for key in path.split("."):
+            value = value[key]
+        overridden.append(f"{path}={value}")
+    return f"training with {start} ({settings}); overridden: {', '.join(overridden) or 'none'}"
 
 
 def run_node(config: NodeConfig) -> list[RoundResult]:

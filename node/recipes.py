@@ -1,6 +1,6 @@
-"""Recommended RL settings per skill domain for the embedded tiny base on CPU: what
-`bench/bench_learning.py` runs and what a node or `skillswarm train --config` can start from.
-Measured results and the reasons behind the settings: docs/training.md.
+"""RL settings per skill domain, measured for the embedded tiny base on CPU: a node's default
+[train] settings (NodeConfig lays the fields its TOML sets over them), and where `skillswarm
+train` without --config and bench/bench_learning.py start. Results and reasons: docs/training.md.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ _OUTCOME_ONLY = LossConfig(turn_reward_weight=0.0)
 
 DOMAIN_RECIPES: dict[str, RLConfig] = {
     # Outcome-only advantages at 0.007: 0.01 once collapsed the policy mid-run.
+    # Steps per round: about a minute of a node's time on 2 cores for each domain.
     "math": RLConfig(
+        steps=30,
         tasks_per_step=8,
         samples_per_task=4,
         optimizer="sgd",
@@ -33,6 +35,7 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
     ),
     # Groups of 8 at temperature 0.5: all-or-nothing families need a success in the group.
     "code": RLConfig(
+        steps=8,
         tasks_per_step=8,
         samples_per_task=8,
         optimizer="sgd",
@@ -43,6 +46,7 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
     ),
     # Groups of 4 for more steps in the time; per-turn credit kept for searches and reads.
     "search": RLConfig(
+        steps=10,
         tasks_per_step=8,
         samples_per_task=4,
         optimizer="sgd",

@@ -40,6 +40,7 @@ class RoundStatus(StrEnum):
     OPEN = "open"
     MERGING = "merging"
     PUBLISHED = "published"
+    HELD = "held"  # merged, but worse than the base on a domain: nothing published
     FAILED = "failed"
     ABANDONED = "abandoned"
 
@@ -120,6 +121,11 @@ class RoundOut(BaseModel):
     trigger: RoundTrigger | None = Field(default=None, description="quorum, deadline or operator")
     merge_seconds: float | None = None
     checkpoint_id: str | None
+    decision: dict[str, Any] | None = Field(
+        default=None,
+        description="the publication rule's verdict: publish, reason, and per domain the paired "
+        "difference candidate - base with its interval and one-sided p-values",
+    )
     error: str | None
     started_at: dt.datetime
     finished_at: dt.datetime | None

@@ -370,15 +370,21 @@ def serve_model(
 def demo(
     workdir: Annotated[Path, typer.Option(help="run folder")] = Path("runs/demo"),
     quick: Annotated[
-        bool, typer.Option("--quick", help="a briefly warm-started base and 2 RL steps a round")
+        bool,
+        typer.Option("--quick", help="two rounds of 2 RL steps: shows the machinery, not learning"),
     ] = False,
-    steps: Annotated[int | None, typer.Option(min=1, help="RL steps per node per round")] = None,
+    steps: Annotated[
+        int | None,
+        typer.Option(min=1, help="RL steps per node per round [default: each domain's recipe]"),
+    ] = None,
     eval_tasks: Annotated[
-        int | None, typer.Option(min=1, help="held-out tasks per domain per evaluation")
+        int | None,
+        typer.Option(min=1, help="held-out tasks per domain per evaluation [default: 64]"),
     ] = None,
 ) -> None:
-    """Coordinator + three nodes (math, code, search) on 127.0.0.1, two rounds, CPU only;
-    writes an HTML report with the score tables and reward curves into the run folder."""
+    """Coordinator + three nodes (math, code, search) on 127.0.0.1, three rounds from the
+    embedded base, CPU only; prints the published model's held-out success per round with 95%
+    intervals and writes an HTML report (success per round, scores, verdicts, reward curves)."""
     from skillswarm.demo import DemoError, run_demo
 
     try:

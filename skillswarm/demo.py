@@ -1,9 +1,10 @@
 """`skillswarm demo`: a coordinator and three training nodes (math, code, search) as separate
-processes on 127.0.0.1, for two rounds.
+processes on 127.0.0.1, round after round from the embedded base shipped in the package.
 
-Builds the embedded base model, starts the coordinator and the nodes, shows their progress, pulls
-the merged checkpoint like any user would, plays a held-out episode with it, prints each round's
-score table and writes a report (HTML, reward curves as PNG) into the run folder.
+Starts the coordinator and the nodes, shows their progress, pulls the latest checkpoint like any
+user would, plays a held-out episode with it, prints the published model's held-out success per
+round beside the base with 95% intervals, and writes a report (HTML, a plot of success per round,
+reward curves) into the run folder.
 """
 
 from __future__ import annotations
@@ -27,11 +28,7 @@ from rich.table import Table
 
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
 from skillswarm.merge.methods import MergeSpec
-from skillswarm.node.bootstrap import (
-    DEFAULT_DOMAIN_WEIGHTS,
-    MULTI_DOMAIN_COPY_STEPS,
-    MULTI_DOMAIN_WARM_START_STEPS,
-)
+from skillswarm.node.bootstrap import embedded_base
 from skillswarm.node.config import NodeConfig
 from skillswarm.node.pipeline import RLConfig
 from skillswarm.protocol.tomlconfig import write_toml_config
@@ -110,50 +107,35 @@ DOMAINS: tuple[str, ...] = ("math", "code", "search")
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """How big a demo run is: the base's copy pretraining and warm start, RL steps per round,
-    evaluation size."""
+    """How big a demo run is: rounds, RL steps per node per round (None: each domain's recipe),
+    held-out tasks per domain, and the coordinator's merge plan (None: its default)."""
 
-    warm_start_steps: int | None
-    tokenizer_corpus_tasks: int | None
-    steps: int
-    tasks_per_step: int
-    samples_per_task: int
-    eval_tasks: int
     rounds: int
-    candidates: tuple[MergeSpec, ...]
-    copy_steps: int = 0
-    domain_weights: dict[str, float] | None = None
+    steps: int | None
+    eval_tasks: int
+    merge: MergePlan | None = None
+
+
+# The full demo: rounds of each domain's recipe (about a minute of training a round on 2 cores)
+# and 64 held-out tasks per domain, in about a quarter of an hour on 2 cores.
+FULL_ROUNDS = 3
+FULL_EVAL_TASKS = 64
 
 
 def demo_settings(quick: bool, steps: int | None, eval_tasks: int | None) -> DemoSettings:
-    """The full demo, on the base `skillswarm bootstrap` builds, or `--quick`: a briefly
-    warm-started base (no copy pretraining) and a couple of RL steps, so the whole swarm runs its
-    two rounds in a few minutes."""
-    candidates = (
-        MergeSpec(method="ties", parameters={"weight": 1.0, "density": 0.5}),
-        MergeSpec(method="linear", parameters={"weight": 1.0}),
-    )
+    """The full demo, which shows the published model learning round after round, or `--quick`:
+    two rounds of two RL steps per node and a few evaluation tasks, which shows the machinery
+    (training, deltas over libp2p, merging, evaluation, publication) and not learning."""
     if quick:
-        return DemoSettings(30, 200, steps or 2, 4, 4, eval_tasks or 6, 2, candidates)
-    return DemoSettings(
-        MULTI_DOMAIN_WARM_START_STEPS,
-        None,
-        steps or 10,
-        8,
-        4,
-        eval_tasks or 32,
-        2,
-        candidates,
-        copy_steps=MULTI_DOMAIN_COPY_STEPS,
-        domain_weights=dict(DEFAULT_DOMAIN_WEIGHTS),
-    )
+        return DemoSettings(2, steps or 2, eval_tasks or 6)
+    return DemoSettings(FULL_ROUNDS, steps, eval_tasks or FULL_EVAL_TASKS)
 
 
 def write_configs(
     workdir: Path,
     base: Path,
     n_nodes: int,
-    train: RLConfig,
+    train: RLConfig | None,
     eval_tasks: int,
     merge: MergeSpec | None = None,
     *,
@@ -162,19 +144,23 @@ def write_configs(
     candidates: tuple[MergeSpec, ...] = (),
 ) -> tuple[Path, list[Path], str]:
     """Coordinator and node TOML files for a loopback swarm; returns them and the HTTP URL.
-    Node i trains `domains[i % len(domains)]`; a round merges once every domain and at least
-    `n_nodes` deltas are in."""
+    Node i trains `domains[i % len(domains)]` with its domain's recipe, `train`'s set fields
+    laid over it; a round merges once every domain and at least `n_nodes` deltas are in. With
+    neither `merge` nor `candidates`, the coordinator's default merge plan."""
     http_port = free_port()
     url = f"http://127.0.0.1:{http_port}"
-    spec = merge or MergeSpec()
+    fields: dict = {}
+    if merge is not None or candidates:
+        spec = merge or MergeSpec()
+        fields["merge"] = MergePlan(**spec.model_dump(), candidates=list(candidates))
     coordinator = CoordinatorConfig(
         work_dir=workdir / "coordinator",
         http_port=http_port,
         p2p_port=free_port(),
         base_checkpoint=base,
         round=RoundPolicy(min_deltas=n_nodes, required_domains=sorted(set(domains))),
-        merge=MergePlan(**spec.model_dump(), candidates=list(candidates)),
-        eval=EvalConfig(domains=list(dict.fromkeys(domains)), n_tasks=eval_tasks),
+        eval=EvalConfig(domains=list(dict.fromkeys(domains)), n_tasks=eval_tasks, experts="own"),
+        **fields,
     )
     coordinator_toml = write_toml_config(coordinator, workdir / "coordinator.toml")
     node_tomls = []
@@ -185,8 +171,8 @@ def write_configs(
             coordinator_url=url,
             seed=i + 1,
             rounds=rounds,
-            train=train,
             allow_weak_sandbox=True,  # a laptop may lack bubblewrap; the node warns at start
+            **({} if train is None else {"train": train}),
         )
         node_tomls.append(write_toml_config(node, workdir / f"node-{i}.toml"))
     return coordinator_toml, node_tomls, url
@@ -201,42 +187,19 @@ def run_demo(
     console: Console | None = None,
     timeout: float = 3600.0,
 ) -> list[dict]:
-    """Run a loopback swarm of three nodes (math, code, search) for two rounds and write the
-    report; returns the rounds' records from the coordinator."""
+    """Run a loopback swarm of three nodes (math, code, search) for the settings' rounds and
+    write the report; returns the rounds' records from the coordinator."""
     console = console or Console(stderr=True)
     settings = demo_settings(quick, steps, eval_tasks)
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    base = workdir / ("base-quick" if quick else "base")
-    if not (base / "config.json").exists():
-        from skillswarm.agent.model import build_threads
-        from skillswarm.node.bootstrap import create_base_checkpoint
-
-        options: dict = {"domains": DOMAINS, "num_threads": build_threads()}
-        if settings.warm_start_steps is not None:
-            options["warm_start_steps"] = settings.warm_start_steps
-        if settings.tokenizer_corpus_tasks is not None:
-            options["tokenizer_corpus_tasks"] = settings.tokenizer_corpus_tasks
-        if settings.domain_weights is not None:
-            options["domain_weights"] = settings.domain_weights
-        with console.status("building the embedded base model (tokenizer, tiny Qwen2)") as status:
-
-            def copied(step: int, accuracy: float) -> None:
-                status.update(f"copy pretraining: step {step}, {accuracy:.1%} copied right")
-
-            def warmed(step: int, loss: float) -> None:
-                status.update(
-                    f"warm start: step {step}/{settings.warm_start_steps}, loss {loss:.3f}"
-                )
-
-            create_base_checkpoint(
-                base,
-                copy_steps=settings.copy_steps,
-                on_copy_check=copied,
-                on_step=warmed,
-                **options,
-            )
-    console.print(f"base checkpoint: {base}")
+    base = embedded_base()
+    console.print(f"base checkpoint: {base} (the embedded base shipped in the package)")
+    if quick:
+        console.print(
+            "[bold]--quick[/bold] shows the machinery (training, deltas over libp2p, merging, "
+            "evaluation, publication) with two RL steps a round: it does not show learning"
+        )
     for stale in [
         workdir / "coordinator",
         workdir / "pulled",
@@ -244,23 +207,16 @@ def run_demo(
         workdir / "report",
         *workdir.glob("node-*"),
     ]:
-        if stale.is_dir():  # a fresh swarm every run; only the base is reused
+        if stale.is_dir():  # a fresh swarm every run
             shutil.rmtree(stale)
-    train = RLConfig(
-        steps=settings.steps,
-        tasks_per_step=settings.tasks_per_step,
-        samples_per_task=settings.samples_per_task,
-    )
     coordinator_toml, node_tomls, url = write_configs(
         workdir,
         base,
         len(DOMAINS),
-        train,
+        None if settings.steps is None else RLConfig(steps=settings.steps),
         settings.eval_tasks,
-        MergeSpec(method="task_arithmetic", parameters={"weight": 1.0}),
         domains=DOMAINS,
         rounds=settings.rounds,
-        candidates=settings.candidates,
     )
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
@@ -309,7 +265,8 @@ def run_demo(
 def _follow_rounds(
     url: str, processes: list[Process], console: Console, rounds: int, timeout: float
 ) -> list[dict]:
-    """Show live progress until round `rounds` is published; return the published rounds."""
+    """Show live progress until `rounds` rounds are closed (published, or held by the
+    no-regression rule); return those rounds."""
     deadline = time.monotonic() + timeout
     with Live(_progress_table(processes, []), console=console, refresh_per_second=2) as live:
         while time.monotonic() < deadline:
@@ -328,11 +285,12 @@ def _follow_rounds(
             failed = [r for r in records if r["status"] == "failed"]
             if failed:
                 raise DemoError(f"round {failed[0]['number']} failed: {failed[0]['error']}")
-            published = sorted(
-                (r for r in records if r["status"] == "published"), key=lambda r: r["number"]
+            closed = sorted(
+                (r for r in records if r["status"] in ("published", "held")),
+                key=lambda r: r["number"],
             )
-            if len(published) >= rounds:
-                return published
+            if len(closed) >= rounds:
+                return closed
             if processes[0].popen.poll() is not None:
                 raise DemoError(f"the coordinator exited; see {processes[0].log}")
             crashed = [p for p in processes[1:] if p.popen.poll() not in (None, 0)]
@@ -345,7 +303,7 @@ def _follow_rounds(
 
 
 def _progress_table(processes: list[Process], rounds: list[dict]) -> Table:
-    table = Table(title="skillswarm demo: three nodes, two rounds")
+    table = Table(title="skillswarm demo: three nodes")
     table.add_column("process")
     table.add_column("status")
     for p in processes:
@@ -390,22 +348,67 @@ def _wait_nodes_done(processes: list[Process], timeout: float) -> None:
             return
 
 
+def _cell(row: dict | None) -> str:
+    if not row or row.get("success_rate") is None:
+        return "–"
+    text = f"{100 * row['success_rate']:.1f}%"
+    if row.get("success_low") is not None:
+        text += f" [{100 * row['success_low']:.0f}–{100 * row['success_high']:.0f}]"
+    return text
+
+
+def progress_rows(records: list[dict]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """(domains, rows): the first round's base, then the model in service after each round (the
+    round's merged candidate when published, the previous model when held), each cell the
+    held-out success with its 95% interval; then the paired difference of the last published
+    model with that base on the same tasks."""
+    from skillswarm.agent.stats import paired_difference
+
+    ordered = sorted(records, key=lambda r: r["number"])
+    if not ordered or not (ordered[0].get("evaluation") or {}).get("base"):
+        return [], []
+    base = ordered[0]["evaluation"]["base"]
+    domains = sorted(base)
+    rows = [("base", [_cell(base.get(d)) for d in domains])]
+    current = base
+    for record in ordered:
+        held = record["status"] != "published"
+        if not held:
+            current = (record.get("evaluation") or {}).get("merged") or current
+        label = f"after round {record['number']}" + (" (held: base kept)" if held else "")
+        rows.append((label, [_cell(current.get(d)) for d in domains]))
+    cells = []
+    for d in domains:
+        a, b = base.get(d) or {}, current.get(d) or {}
+        if a.get("successes") and b.get("successes") and a.get("task_ids") == b.get("task_ids"):
+            diff = paired_difference(a["successes"], b["successes"])
+            cells.append(f"{100 * diff.mean:+.1f} [{100 * diff.low:+.1f}, {100 * diff.high:+.1f}]")
+        else:
+            cells.append("–")
+    rows.append(("published − base (points, paired 95%)", cells))
+    return domains, rows
+
+
 def _print_summary(
     console: Console, records: list[dict], pulled: Path, workdir: Path, report: Path
 ) -> None:
-    from skillswarm.report import score_rows
-
     out = Console()
+    domains, rows = progress_rows(records)
+    table = Table(title="held-out success of the published model, round after round (95% CI)")
+    table.add_column("model")
+    for domain in domains:
+        table.add_column(domain, justify="right")
+    for label, cells in rows:
+        table.add_row(label, *cells)
+    out.print(table)
     for record in records:
-        domains, rows = score_rows(record)
-        table = Table(title=f"round {record['number']}: held-out success")
-        table.add_column("model")
-        for domain in domains:
-            table.add_column(domain, justify="right")
-        for label, cells in rows:
-            table.add_row(label, *cells)
-        out.print(table)
-    out.print(f"latest checkpoint: {records[-1]['checkpoint_id']}")
+        if record["status"] == "held":
+            out.print(
+                f"round {record['number']} held: {(record.get('decision') or {}).get('reason')}"
+            )
+    published = [r for r in records if r.get("checkpoint_id")]
+    if published:
+        out.print(f"latest checkpoint: {published[-1]['checkpoint_id']}")
     out.print(f"pulled to: {pulled}")
     out.print(f"report: {report}")
     out.print(f"logs: {workdir / 'logs'}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.server
 import os
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # more than halves a two-thread build's speed (measured: 38 warm-start steps a minute spinning,
 # 68 waiting passively). Read when torch loads, so set before anything imports it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Building tiny_base takes minutes, and a worker may wait that long for the other to build it.
+# Tests on tiny_base run real training, merging and evaluation rounds.
 TINY_BASE_TIMEOUT_S = 1800
 
 
@@ -73,25 +72,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded math base (`create_base_checkpoint`'s defaults: 480 warm-start steps, past the
-    onset of copying numbers into calculator calls, so sampled episodes sometimes succeed and RL
-    has something to learn from), built with two torch threads, once for the whole run: pytest-xdist
-    workers share it through a file lock (the first to need it builds it, the others wait)."""
-    from filelock import FileLock
-    from skillswarm.node.bootstrap import create_base_checkpoint
+def tiny_base() -> Path:
+    """The embedded base shipped in the package (`skillswarm bootstrap`'s recommended settings:
+    copy pretraining, then a warm start on math, code and search, so sampled episodes sometimes
+    succeed and RL has something to learn from). Read only: copy it before changing it."""
+    from skillswarm.node.bootstrap import embedded_base
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the workers' common folder
-    base = root / "tiny-base"
-    with FileLock(root / "tiny-base.lock"):
-        if not base.is_dir():
-            building = root / "tiny-base.building"
-            shutil.rmtree(building, ignore_errors=True)
-            create_base_checkpoint(building, num_threads=2)
-            building.rename(base)
-    return base
+    return embedded_base()
 
 
 @pytest.fixture

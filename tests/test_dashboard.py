@@ -1,19 +1,28 @@
-"""The coordinator's dashboard as a person sees it: a real coordinator with a merged round and a
-node's heartbeat, served by uvicorn, the page rendered by headless Chromium."""
+"""The coordinator's dashboard as a person sees it: a real coordinator with a merged round, a held
+round and a node's heartbeat, served by uvicorn, the page rendered by headless Chromium."""
 
 from __future__ import annotations
 
+import html
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from delta_helpers import current_base_tensors, hand_in_delta, noisy
 from skillswarm.agent.openai_server import running_server
+from skillswarm.agent.stats import wilson_interval
 from skillswarm.coordinator.app import create_app
-from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
+from skillswarm.coordinator.config import (
+    CoordinatorConfig,
+    EvalConfig,
+    PublishPolicy,
+    RoundPolicy,
+)
+from skillswarm.coordinator.publication import publication_decision
 from skillswarm.coordinator.service import Coordinator
 from skillswarm.protocol.identity import KeyPair, load_or_create_identity, peer_id_of
 from skillswarm.protocol.messages import NodeHeartbeat
@@ -56,6 +65,57 @@ def coordinator(tmp_path: Path, base: Path) -> Iterator[Coordinator]:
     coordinator.store.close()
 
 
+def _scores_row(successes: int, n: int) -> dict[str, Any]:
+    """A scores row as the evaluator writes it: the first `successes` of `n` tasks solved."""
+    outcomes = [1] * successes + [0] * (n - successes)
+    low, high = wilson_interval(successes, n)
+    return {
+        "success_rate": successes / n,
+        "mean_reward": successes / n,
+        "n": n,
+        "success_low": low,
+        "success_high": high,
+        "rewards": [float(v) for v in outcomes],
+        "successes": outcomes,
+        "task_ids": [f"t{i}" for i in range(n)],
+    }
+
+
+def _hold_round_on_hand_made_scores(coordinator: Coordinator, number: int) -> dict[str, Any]:
+    """Record round `number` as held through the coordinator's own path, on hand-made scores
+    (a merge worse than its base beyond noise needs a trained base and many tasks): the merged
+    candidate solves 2 of 16 math tasks where the base solves 12."""
+    base = {"math": _scores_row(12, 16), "code": _scores_row(8, 16)}
+    merged = {"math": _scores_row(2, 16), "code": _scores_row(8, 16)}
+    decision = publication_decision(base, merged, PublishPolicy())
+    assert not decision.publish
+    coordinator.rounds.record_held(
+        number,
+        coordinator.current_base().id,
+        {
+            "inputs": [],
+            "evaluation": {
+                "base": base,
+                "expert:math:0123456789ab": {"math": _scores_row(14, 16)},
+                "merged": merged,
+            },
+            "candidates": [],
+            "merge_spec": {"method": "ties"},
+            "merge_seconds": 0.5,
+            "decision": decision.to_dict(),
+        },
+    )
+    return coordinator.round_record(number)
+
+
+def _cell(row: Mapping[str, Any]) -> str:
+    """A success cell as the page shows it: the rate and its interval."""
+    return (
+        f"{100 * row['success_rate']:.1f}% "
+        f"[{100 * row['success_low']:.1f}–{100 * row['success_high']:.1f}]"
+    )
+
+
 def _render(url: str) -> str:
     """The page's DOM after its script ran, as headless Chromium sees it."""
     assert CHROMIUM is not None
@@ -79,7 +139,9 @@ def _render(url: str) -> str:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (apt-get install chromium)")
-def test_dashboard_shows_nodes_rounds_scores_and_curves(coordinator: Coordinator, tmp_path) -> None:
+def test_dashboard_shows_nodes_rounds_scores_held_rounds_and_curves(
+    coordinator: Coordinator, tmp_path
+) -> None:
     math_key = load_or_create_identity(tmp_path / "math.key")
     code_key = load_or_create_identity(tmp_path / "code.key")
     _hand_in_delta(coordinator, math_key, "math", 1e-3)
@@ -89,7 +151,10 @@ def test_dashboard_shows_nodes_rounds_scores_and_curves(coordinator: Coordinator
     )
     published = coordinator.round_record(1)  # the quorum of two merged it
     assert published["status"] == "published"
-    merged_success = published["evaluation"]["merged"]["math"]["success_rate"]
+    merged_math = published["evaluation"]["merged"]["math"]
+    merged_success = merged_math["success_rate"]
+    held = _hold_round_on_hand_made_scores(coordinator, 2)
+    assert held["status"] == "held"
 
     with running_server(create_app(coordinator)) as api_url:
         page = _render(api_url.removesuffix("/v1") + "/dashboard")
@@ -100,12 +165,29 @@ def test_dashboard_shows_nodes_rounds_scores_and_curves(coordinator: Coordinator
     assert peer_id_of(math_key)[:12] in nodes.group(0)
     assert peer_id_of(code_key)[:12] in nodes.group(0)
     assert "<td>code</td>" in nodes.group(0) and "0.375" in nodes.group(0)
-    assert re.search(r'id="current-round">2<', page)
+    assert re.search(r'id="current-round">3<', page)  # round 2 was held: round 3 is open
     round_card = re.search(r'data-round="1".*?</table>', page, re.DOTALL)
     assert round_card is not None
     card = round_card.group(0)
     assert "published" in card and "2 deltas" in card
     assert "merged" in card and f"{100 * merged_success:.1f}%" in card
+    assert _cell(merged_math) in card  # the rate with its interval
     assert "base" in card
+
+    held_card = html.unescape(page.split('data-round="2"', 1)[1].split('data-round="1"', 1)[0])
+    assert '<span class="status-held">held</span>' in held_card
+    assert f"held: {held['decision']['reason']}" in held_card
+    assert held["decision"]["reason"].startswith("worse than the current base beyond noise")
+    assert f"<td>merged</td><td>{_cell(held['evaluation']['merged']['code'])}</td>" in held_card
+    assert f"<td>{_cell(held['evaluation']['merged']['math'])}</td>" in held_card
+    # The expert was scored on its own domain only (columns: code, math).
+    assert (
+        f"<td>expert:math:0123456789ab</td><td>–</td><td>{_cell(_scores_row(14, 16))}" in held_card
+    )
+    # The paired difference merged − base on math: 2 vs 12 of the same 16 tasks.
+    assert re.search(r"<td>math</td><td>-62\.5 \[-\d+\.\d, -\d+\.\d\]</td>", held_card)
+
     assert '<svg width="520" height="220" id="curves-svg">' in page
     assert 'data-domain="math"' in page
+    # The published curve: round 0's base, round 1 published, round 2 held (carried over).
+    assert page.count('data-held="false"') == 2 and page.count('data-held="true"') == 1

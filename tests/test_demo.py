@@ -50,10 +50,16 @@ def test_quick_demo_runs_two_rounds_and_writes_the_report(tmp_path: Path) -> Non
             "search",
         ]
         assert any(label.startswith("merged (") and "published" in label for label in labels)
-        methods = {m for label in labels for m in re.findall(r"candidate (\w+)", label)}
-        assert methods == {"task_arithmetic", "ties", "linear"}
+        # the default merge plan: task arithmetic at λ 1 and 0.5, chosen on the validation tasks
+        methods = [m for label in labels for m in re.findall(r"candidate (\w+)", label)]
+        assert methods == ["task_arithmetic", "task_arithmetic"]
+        cell = re.compile(r"\d+\.\d% \[\d+\.\d–\d+\.\d\]|–")
         for row in rows:
-            assert len(row) == 4 and all(re.fullmatch(r"\d+\.\d%", cell) for cell in row[1:])
+            assert len(row) == 4 and all(cell.fullmatch(c) for c in row[1:]), row
+        experts = [row for row in rows if row[0].startswith("expert:")]
+        for row in experts:  # each expert is scored on its own domain only
+            own = row[0].split(":")[1]
+            assert [c != "–" for c in row[1:]] == [d == own for d in DOMAINS], row
 
     curves = sorted(report.glob("curves-*.png"))
     assert [p.name for p in curves] == [
@@ -74,4 +80,7 @@ def test_quick_demo_runs_two_rounds_and_writes_the_report(tmp_path: Path) -> Non
 
     model, tokenizer = load_policy(workdir / "pulled")
     assert tokenizer.chat_template and model.config.model_type == "qwen2"
-    assert "report:" in result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert "report:" in output and "it does not show learning" in output
+    assert "published − base" in output
+    assert (report / "published-progress.png").read_bytes().startswith(PNG_MAGIC)

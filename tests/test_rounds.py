@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from delta_helpers import current_base_tensors, hand_in_delta, noisy, signed_announcement
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
 from skillswarm.coordinator.registry import Registry
@@ -26,6 +27,7 @@ from skillswarm.coordinator.store import (
     utcnow,
 )
 from skillswarm.merge.methods import MergeSpec
+from skillswarm.merge.outer import OuterOptimizerConfig, load_state
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.checkpoint import verify_folder
@@ -357,6 +359,7 @@ def test_coordinator_killed_mid_merge_restarts_and_completes_the_round(tmp_path,
         http_port=url_port,
         round=RoundPolicy(min_deltas=2),
         eval=EvalConfig(n_tasks=6),  # a merge that lasts a few seconds
+        outer=OuterOptimizerConfig(learning_rate=1.0, momentum=0.5),
     )
     toml = write_toml_config(config, tmp_path / "coordinator.toml")
     url = f"http://127.0.0.1:{url_port}"
@@ -422,5 +425,14 @@ def test_coordinator_killed_mid_merge_restarts_and_completes_the_round(tmp_path,
     registry = Registry(work / "registry", repo_id=config.repo_id)
     for checkpoint in registry.list():  # every listed checkpoint is complete on disk
         verify_folder(registry.checkpoint_dir(checkpoint), registry.manifest(checkpoint))
+    # The outer optimizer's momentum belongs to the published checkpoint: with no momentum
+    # before, m = g (the merged delta) and the Nesterov step published base + lr (g + μ m).
+    momentum = load_state(work / "outer", round_one["checkpoint_id"], config.outer)
+    assert momentum is not None
+    published = dict(iter_base_tensors(registry.checkpoint_dir(registry.get("main"))))
+    for name, tensor in base.items():
+        if tensor.is_floating_point():
+            step = published[name].float() - tensor.float()
+            torch.testing.assert_close(step, 1.5 * momentum[name], rtol=1e-4, atol=1e-6)
     assert not list(work.glob("merge-*"))
     assert not list((work / "registry" / "incoming").iterdir())

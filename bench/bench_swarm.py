@@ -1,0 +1,439 @@
+"""The swarm against its baselines at equal compute, on the real code paths.
+
+Every round, each domain's node trains k steps of its recipe from the swarm's current base (the
+node's trainer, a fresh optimizer as a daemon round starts), packs its delta as a node does, and
+the coordinator's own functions merge the deltas (the default merge plan and its validation
+choice, the outer optimizer), score the candidate and apply the publication rule. Beside it, with
+the same episodes per domain:
+
+- experts: each domain's model trained alone, k steps more every round (its optimizer kept);
+- mixed:   one model trained on all three domains, one step of each domain's recipe in turn
+           (3 × k steps a round, one optimizer kept throughout; synchronous steps);
+- base:    the starting checkpoint.
+
+After every round it prints greedy held-out success per domain for every arm with 95% Wilson
+intervals, and at the end each arm's paired difference with the base (bootstrap interval), the
+swarm's retention (swarm − base) / (expert − base) and swarm − mixed. Writes `swarm.png` (success
+per domain per round for every arm) and `results.json` into --out.
+
+Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=30,code=8,search=10]
+[--eval-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm]`. Without --base it uses the
+embedded base shipped in the package (`skillswarm bootstrap` rebuilds one). `--help` prints the
+step budget of each arm. Exits 1 when, after the last round, the published model does not beat
+the base by --min-gain points with the paired interval above zero on every domain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from skillswarm.agent.envs import get_environment
+from skillswarm.agent.evaluate import evaluate_checkpoint
+from skillswarm.agent.model import load_policy, set_torch_threads
+from skillswarm.agent.stats import paired_difference
+from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig
+from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, scores_row
+from skillswarm.coordinator.publication import publication_decision
+from skillswarm.coordinator.rounds import candidate_validation, merge_candidates
+from skillswarm.merge.outer import OuterOptimizer
+from skillswarm.merge.streaming import TaskVector
+from skillswarm.merge.tensors import iter_base_tensors
+from skillswarm.node.pipeline import AsyncRLRun
+from skillswarm.node.recipes import recipe_for
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.delta import DeltaReader, pack_delta
+from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
+
+DOMAINS = ("math", "code", "search")
+DEFAULT_STEPS = {d: recipe_for(d).steps for d in DOMAINS}
+ARMS = ("base", "swarm", "experts", "mixed")
+
+
+def parse_steps(text: str) -> dict[str, int]:
+    """`math=30,code=8,search=10` → steps per domain per round (every domain named, each ≥ 1)."""
+    steps: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or name.strip() not in DOMAINS or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(
+                f"--steps takes DOMAIN=N for each of {', '.join(DOMAINS)}; got {part!r}"
+            )
+        steps[name.strip()] = int(value)
+    if set(steps) != set(DOMAINS) or min(steps.values()) < 1:
+        raise argparse.ArgumentTypeError(f"--steps needs N ≥ 1 for each of {', '.join(DOMAINS)}")
+    return steps
+
+
+def folder_id(folder: Path) -> str:
+    """A checkpoint's id for the outer optimizer's state: the hash of its weights."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def train_steps(
+    model: Any,
+    tokenizer: Any,
+    domain: str,
+    steps: int,
+    seed: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    synchronous: bool = False,
+) -> tuple[list[dict[str, float]], torch.optim.Optimizer]:
+    """`steps` RL steps of `domain`'s recipe on `model` (in place). With `optimizer`, training
+    goes on with it (its momentum kept) at this recipe's learning rate; returns the history and
+    the optimizer."""
+    update: dict[str, Any] = {"steps": steps, "seed": seed}
+    if synchronous:
+        update["max_staleness"] = 0
+    recipe = recipe_for(domain).model_copy(update=update)
+    run = AsyncRLRun(model, tokenizer, get_environment(domain), recipe)
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.learning_rate
+        run.trainer.optimizer = optimizer
+    history = run.run()
+    model.eval()
+    return history, run.trainer.optimizer
+
+
+@dataclass
+class Arm:
+    """One arm's success rows per round: {round: {domain: scores row}}."""
+
+    name: str
+    rounds: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
+
+    def last(self) -> dict[str, dict[str, Any]]:
+        return self.rounds[max(self.rounds)]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out: Path = args.out
+        self.config = CoordinatorConfig(
+            work_dir=self.out / "coordinator",
+            eval=EvalConfig(
+                domains=list(DOMAINS),
+                n_tasks=args.eval_tasks,
+                seed=args.eval_seed,
+                experts="own",
+            ),
+        )
+        self.evaluator = Evaluator(self.config.eval)
+        self.outer = OuterOptimizer(self.out / "coordinator" / "outer", self.config.outer)
+        self.key_pair = load_or_create_identity(self.out / "identity.key")
+        self.arms = {name: Arm(name) for name in ARMS}
+        self.decisions: list[dict[str, Any]] = []
+        self.started = time.perf_counter()
+
+    def log(self, message: str) -> None:
+        minutes = (time.perf_counter() - self.started) / 60
+        print(f"[{minutes:6.1f} min] {message}", flush=True)
+
+    def score(self, policy: Any, domains: tuple[str, ...] = DOMAINS) -> dict[str, dict]:
+        """Greedy held-out rows on the reported tasks, the same tasks for every arm."""
+        level = self.config.eval.level
+        return {
+            d: scores_row(
+                evaluate_checkpoint(
+                    policy, d, n_tasks=self.args.eval_tasks, seed=self.args.eval_seed
+                ),
+                level,
+            )
+            for d in domains
+        }
+
+    def run(self) -> int:
+        args = self.args
+        base_dir = self.out / "round-0"
+        shutil.copytree(args.base, base_dir)
+        self.log(f"scoring the base on {args.eval_tasks} held-out tasks per domain")
+        self.arms["base"].rounds[0] = self.evaluator.scores(
+            base_dir, list(DOMAINS), args.eval_tasks, args.eval_seed, cache_as=folder_id(base_dir)
+        )
+        for arm in ("swarm", "experts", "mixed"):
+            self.arms[arm].rounds[0] = self.arms["base"].rounds[0]
+        self.print_round(0)
+        experts = {d: load_policy(base_dir) for d in DOMAINS}
+        expert_optimizers: dict[str, torch.optim.Optimizer | None] = dict.fromkeys(DOMAINS)
+        mixed = load_policy(base_dir)
+        mixed_optimizer: torch.optim.Optimizer | None = None
+        swarm_dir = base_dir
+        for number in range(1, args.rounds + 1):
+            swarm_dir = self.swarm_round(number, swarm_dir)
+            for index, domain in enumerate(DOMAINS):
+                self.log(f"round {number}: {domain} expert, {args.steps[domain]} steps")
+                model, tokenizer = experts[domain]
+                _, expert_optimizers[domain] = train_steps(
+                    model,
+                    tokenizer,
+                    domain,
+                    args.steps[domain],
+                    self.seed(number, index),
+                    expert_optimizers[domain],
+                )
+            self.arms["experts"].rounds[number] = {
+                d: self.score(experts[d], (d,))[d] for d in DOMAINS
+            }
+            self.log(f"round {number}: mixed, {sum(args.steps.values())} steps in turn")
+            for step in range(max(args.steps.values())):
+                for index, domain in enumerate(DOMAINS):
+                    if step < args.steps[domain]:
+                        _, mixed_optimizer = train_steps(
+                            *mixed,
+                            domain,
+                            1,
+                            self.seed(number, index) + step,
+                            mixed_optimizer,
+                            synchronous=True,
+                        )
+            self.arms["mixed"].rounds[number] = self.score(mixed)
+            self.print_round(number)
+            self.write_results()
+        return self.summary()
+
+    def seed(self, number: int, index: int) -> int:
+        """The same task stream for a domain's node, its expert and the mixed model's turns."""
+        return self.args.seed + 1000 * number + 100 * index
+
+    def swarm_round(self, number: int, base_dir: Path) -> Path:
+        """One round of the swarm: three nodes' deltas, the coordinator's merge, outer step,
+        scoring and publication rule. Returns the base of the next round."""
+        work = self.out / f"work-{number}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        blobs = BlobStore(work / "blobs")
+        base_id = folder_id(base_dir)
+        base_tensors = dict(iter_base_tensors(base_dir))
+        inputs: list[ExpertInput] = []
+        for index, domain in enumerate(DOMAINS):
+            self.log(f"round {number}: {domain} node, {self.args.steps[domain]} steps")
+            model, tokenizer = load_policy(base_dir)
+            history, _ = train_steps(
+                model, tokenizer, domain, self.args.steps[domain], self.seed(number, index)
+            )
+            state = model.state_dict()
+            manifest = pack_delta(
+                base_tensors,
+                {name: state[name] for name in base_tensors},
+                blobs,
+                peer_id=peer_id_of(self.key_pair),
+                public_key=public_key_bytes(self.key_pair),
+                domain=domain,
+                base_id=base_id,
+                round=number,
+                steps=len(history),
+            )
+            inputs.append(ExpertInput(f"expert:{domain}", domain, DeltaReader(manifest, blobs)))
+        self.log(f"round {number}: merging")
+        merged = merge_candidates(
+            self.config.merge.specs(),
+            base_dir,
+            [TaskVector(name=e.domain, expert=e.reader.expert) for e in inputs],
+            work,
+            self.evaluator,
+        )
+        chosen, candidates = merged.spec, merged.records
+        candidate_dir = self.outer.step(base_id, base_dir, merged.folder, work / "stepped", number)
+        decision = publication_decision(
+            self.evaluator.validation_scores(base_dir, cache_as=base_id),
+            candidate_validation(merged, candidate_dir, self.evaluator),
+            self.config.publish,
+            self.config.eval.level,
+        )
+        table = self.evaluator.evaluation_table(base_id, base_dir, inputs, candidate_dir, work)
+        self.decisions.append(
+            {
+                "round": number,
+                "chosen": chosen.model_dump(),
+                "candidates": candidates,
+                **decision.to_dict(),
+                "experts_own_domain": {
+                    e.domain: table[e.label][e.domain]["success_rate"] for e in inputs
+                },
+                "candidate": {d: row["success_rate"] for d, row in table["merged"].items()},
+            }
+        )
+        self.log(
+            f"round {number}: {'published' if decision.publish else 'held'} "
+            f"({chosen.method} {chosen.parameters}): {decision.reason}"
+        )
+        if decision.publish:
+            next_dir = self.out / f"round-{number}"
+            shutil.rmtree(next_dir, ignore_errors=True)
+            shutil.copytree(candidate_dir, next_dir)
+            self.outer.commit(folder_id(next_dir))
+            self.arms["swarm"].rounds[number] = table["merged"]
+        else:
+            self.outer.discard()
+            next_dir = base_dir
+            self.arms["swarm"].rounds[number] = self.arms["swarm"].rounds[number - 1]
+        shutil.rmtree(work, ignore_errors=True)
+        return next_dir
+
+    def print_round(self, number: int) -> None:
+        print(f"\nafter round {number}: greedy held-out success (95% Wilson interval)")
+        print(f"{'arm':<8}" + "".join(f"{d:>22}" for d in DOMAINS))
+        for name in ARMS:
+            rows = self.arms[name].rounds.get(number) or self.arms[name].rounds.get(0)
+            cells = [
+                f"{100 * rows[d]['success_rate']:5.1f} "
+                f"[{100 * rows[d]['success_low']:4.1f}, {100 * rows[d]['success_high']:4.1f}]"
+                for d in DOMAINS
+            ]
+            print(f"{name:<8}" + "".join(f"{c:>22}" for c in cells))
+        print(flush=True)
+
+    def summary(self) -> int:
+        base = self.arms["base"].rounds[0]
+        final = {name: self.arms[name].last() for name in ARMS}
+        print("paired differences on the same tasks after the last round (points, 95% bootstrap)")
+        ok = True
+        lines: dict[str, Any] = {}
+        for d in DOMAINS:
+            cells = {}
+            for name in ("swarm", "experts", "mixed"):
+                diff = paired_difference(base[d]["successes"], final[name][d]["successes"])
+                cells[f"{name}-base"] = diff.to_dict()
+            diff = paired_difference(final["mixed"][d]["successes"], final["swarm"][d]["successes"])
+            cells["swarm-mixed"] = diff.to_dict()
+            gain_swarm = cells["swarm-base"]["mean"]
+            gain_expert = cells["experts-base"]["mean"]
+            retention = gain_swarm / gain_expert if gain_expert > 0 else None
+            cells["retention"] = retention
+            lines[d] = cells
+            sb, eb, mb, sm = (
+                cells["swarm-base"],
+                cells["experts-base"],
+                cells["mixed-base"],
+                cells["swarm-mixed"],
+            )
+            print(
+                f"{d:<8} swarm−base {_points(sb)}  expert−base {_points(eb)}  "
+                f"mixed−base {_points(mb)}  swarm−mixed {_points(sm)}  retention "
+                + (f"{100 * retention:.0f}%" if retention is not None else "n/a (no expert gain)")
+            )
+            if not (100 * sb["mean"] >= self.args.min_gain and sb["low"] > 0):
+                ok = False
+        self.write_results(lines)
+        print(f"results: {self.out / 'results.json'}; plot: {self.out / 'swarm.png'}")
+        return 0 if ok else 1
+
+    def write_results(self, summary: dict[str, Any] | None = None) -> None:
+        def compact(rows: dict[str, dict]) -> dict[str, dict]:
+            keep = ("success_rate", "success_low", "success_high", "mean_reward", "n")
+            return {d: {k: row[k] for k in keep} for d, row in rows.items()}
+
+        results = {
+            "settings": {
+                "rounds": self.args.rounds,
+                "steps": self.args.steps,
+                "eval_tasks": self.args.eval_tasks,
+                "eval_seed": self.args.eval_seed,
+                "seed": self.args.seed,
+                "merge": self.config.merge.model_dump(),
+                "outer": self.config.outer.model_dump(),
+                "publish": self.config.publish.model_dump(),
+                "recipes": {d: recipe_for(d).model_dump() for d in DOMAINS},
+            },
+            "arms": {
+                name: {str(r): compact(rows) for r, rows in arm.rounds.items()}
+                for name, arm in self.arms.items()
+            },
+            "decisions": self.decisions,
+            "summary": summary,
+            "minutes": (time.perf_counter() - self.started) / 60,
+        }
+        (self.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        plot(self.arms, self.out / "swarm.png")
+
+
+def _points(diff: dict[str, Any]) -> str:
+    return f"{100 * diff['mean']:+5.1f} [{100 * diff['low']:+5.1f}, {100 * diff['high']:+5.1f}]"
+
+
+def plot(arms: dict[str, Arm], path: Path) -> None:
+    """Success per domain per round for every arm, with the intervals as bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(DOMAINS), figsize=(4.2 * len(DOMAINS), 3.6), sharey=True)
+    for axis, domain in zip(axes, DOMAINS, strict=True):
+        for name in ARMS:
+            rounds = sorted(arms[name].rounds)
+            rows = [arms[name].rounds[r][domain] for r in rounds]
+            rate = [100 * row["success_rate"] for row in rows]
+            axis.plot(rounds, rate, marker="o", label=name)
+            axis.fill_between(
+                rounds,
+                [100 * row["success_low"] for row in rows],
+                [100 * row["success_high"] for row in rows],
+                alpha=0.12,
+            )
+        axis.set_title(domain)
+        axis.set_xlabel("round")
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out success (%)")
+    axes[-1].legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="swarm rounds (default 4)")
+    parser.add_argument(
+        "--steps",
+        type=parse_steps,
+        default=dict(DEFAULT_STEPS),
+        help="RL steps per node per round, per domain (default math=30,code=8,search=10): "
+        "each round the swarm trains these on three nodes, each expert trains its own, and "
+        "the mixed model trains all of them in turn; so every arm but the base spends "
+        "rounds × (sum of these) steps in all",
+    )
+    parser.add_argument("--eval-tasks", type=int, default=128, help="held-out tasks per domain")
+    parser.add_argument("--eval-seed", type=int, default=0, help="seed of the held-out tasks")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the training tasks")
+    parser.add_argument("--min-gain", type=float, default=15.0, help="points the swarm must gain")
+    parser.add_argument("--base", type=Path, help="base model folder (default: the shipped one)")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-swarm"))
+    args = parser.parse_args()
+    if args.rounds < 1 or args.eval_tasks < 1:
+        parser.error("--rounds and --eval-tasks must be at least 1")
+    if args.base is None:
+        from skillswarm.node.bootstrap import embedded_base
+
+        args.base = embedded_base()
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    args.out.mkdir(parents=True)
+    set_torch_threads(1)
+    budget = args.rounds * sum(args.steps.values())
+    print(
+        f"{args.rounds} rounds; steps per round {args.steps}; every trained arm spends {budget} "
+        f"RL steps; {args.eval_tasks} held-out tasks per domain; base {args.base}",
+        flush=True,
+    )
+    return Bench(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

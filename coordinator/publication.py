@@ -1,0 +1,92 @@
+"""Whether a round's merged candidate may be published: the no-regression rule, applied domain by
+domain to the candidate's and the base's outcomes on the same held-out tasks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from skillswarm.agent.stats import not_worse, paired_difference
+from skillswarm.coordinator.config import PublishPolicy
+
+__all__ = ["Decision", "compare_rows", "outcomes_of", "publication_decision"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The rule's verdict: publish or hold, why, and the paired comparison on each domain."""
+
+    publish: bool
+    reason: str
+    comparisons: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"publish": self.publish, "reason": self.reason, "comparisons": self.comparisons}
+
+
+def outcomes_of(row: Mapping[str, Any], metric: str) -> list[float]:
+    """A scores row's per-task outcomes for `metric` ("success" or "reward"), in task order."""
+    key = "successes" if metric == "success" else "rewards"
+    values = row.get(key)
+    if not isinstance(values, list | tuple) or not values:
+        raise ValueError(f"the scores row has no per-task {key}; it cannot be compared pairwise")
+    return [float(v) for v in values]
+
+
+def compare_rows(
+    base: Mapping[str, Any],
+    candidate: Mapping[str, Any],
+    metric: str = "success",
+    level: float = 0.95,
+) -> dict[str, Any]:
+    """The paired difference candidate − base of one domain's rows (same tasks, same order):
+    mean, its interval at `level`, and the one-sided p-values."""
+    if (
+        base.get("task_ids")
+        and candidate.get("task_ids")
+        and (list(base["task_ids"]) != list(candidate["task_ids"]))
+    ):
+        raise ValueError("the two rows were scored on different tasks; they cannot be paired")
+    difference = paired_difference(
+        outcomes_of(base, metric), outcomes_of(candidate, metric), level=level
+    )
+    return {"metric": metric, "level": level, **difference.to_dict()}
+
+
+def publication_decision(
+    base_scores: Mapping[str, Mapping[str, Any]],
+    candidate_scores: Mapping[str, Mapping[str, Any]],
+    policy: PublishPolicy,
+    level: float = 0.95,
+) -> Decision:
+    """Publish unless, on some domain, the candidate is worse than the base beyond noise (see
+    `PublishPolicy`). Every domain's paired comparison is returned either way."""
+    comparisons: dict[str, dict[str, Any]] = {}
+    worse: list[str] = []
+    for domain in sorted(base_scores):
+        if domain not in candidate_scores:
+            raise ValueError(f"the candidate was not scored on {domain}")
+        base_outcomes: Sequence[float] = outcomes_of(base_scores[domain], policy.metric)
+        candidate_outcomes = outcomes_of(candidate_scores[domain], policy.metric)
+        comparisons[domain] = compare_rows(
+            base_scores[domain], candidate_scores[domain], policy.metric, level
+        )
+        holds, difference = not_worse(
+            base_outcomes, candidate_outcomes, alpha=policy.alpha, margin=policy.margin
+        )
+        if not holds:
+            worse.append(
+                f"{domain} {100 * difference.mean:+.1f} points "
+                f"(one-sided p = {difference.p_worse:.3g} < {policy.alpha})"
+            )
+    if not policy.no_regression:
+        return Decision(True, "the no-regression rule is off", comparisons)
+    if worse:
+        return Decision(
+            False,
+            "worse than the current base beyond noise on " + "; ".join(worse),
+            comparisons,
+        )
+    return Decision(True, "not worse than the current base on any domain", comparisons)

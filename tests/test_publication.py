@@ -1,0 +1,146 @@
+"""The no-regression rule: the verdict on known outcomes, and a real Coordinator on the embedded
+base that holds back a merge made worse by a degrading delta (the round is held, `main` stays,
+the next round opens on the same base) and publishes one that is better."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from delta_helpers import hand_in_delta
+from fastapi.testclient import TestClient
+from safetensors.torch import load_file, save_file
+from skillswarm.coordinator.app import create_app
+from skillswarm.coordinator.config import (
+    CoordinatorConfig,
+    EvalConfig,
+    PublishPolicy,
+    RoundPolicy,
+)
+from skillswarm.coordinator.publication import compare_rows, publication_decision
+from skillswarm.coordinator.service import Coordinator
+from skillswarm.coordinator.store import DeltaRecord
+from skillswarm.protocol.identity import load_or_create_identity
+
+
+def _row(successes: list[int]) -> dict:
+    return {
+        "successes": successes,
+        "rewards": [float(s) for s in successes],
+        "task_ids": [f"t{i}" for i in range(len(successes))],
+    }
+
+
+def test_a_candidate_worse_on_one_domain_is_held():
+    base = {"math": _row([1] * 20 + [0] * 12), "code": _row([1] * 8 + [0] * 24)}
+    candidate = {"math": _row([1] * 4 + [0] * 28), "code": _row([1] * 16 + [0] * 16)}
+    decision = publication_decision(base, candidate, PublishPolicy())
+    assert not decision.publish
+    assert "math" in decision.reason and "code" not in decision.reason
+    math = decision.comparisons["math"]
+    assert math["mean"] == pytest.approx(-0.5) and math["p_worse"] == pytest.approx(0.5**16)
+    assert math["high"] < 0 < decision.comparisons["code"]["low"]
+
+
+def test_a_better_or_equal_candidate_is_published():
+    base = {"math": _row([1] * 10 + [0] * 22), "code": _row([1, 0] * 16)}
+    better = {"math": _row([1] * 20 + [0] * 12), "code": _row([1, 0] * 16)}
+    decision = publication_decision(base, better, PublishPolicy())
+    assert decision.publish, decision.reason
+    assert decision.comparisons["math"]["mean"] == pytest.approx(10 / 32)
+    assert decision.comparisons["code"]["mean"] == 0
+
+
+def test_noise_does_not_hold_and_the_rule_can_be_turned_off():
+    base = {"math": _row([1, 1, 1, 0] * 8)}
+    noisy = {"math": _row([1, 1, 0, 1] * 7 + [1, 0, 0, 0])}  # two fewer, within noise
+    assert publication_decision(base, noisy, PublishPolicy()).publish
+    worse = {"math": _row([0] * 32)}
+    assert not publication_decision(base, worse, PublishPolicy()).publish
+    off = publication_decision(base, worse, PublishPolicy(no_regression=False))
+    assert off.publish and off.comparisons["math"]["mean"] == pytest.approx(-0.75)
+    margin = publication_decision(base, worse, PublishPolicy(margin=0.8))
+    assert margin.publish
+
+
+def test_rows_of_different_tasks_are_not_compared():
+    a, b = _row([1, 0]), _row([1, 0])
+    b["task_ids"] = ["x", "y"]
+    with pytest.raises(ValueError, match="different tasks"):
+        compare_rows(a, b)
+    with pytest.raises(ValueError, match="per-task"):
+        compare_rows({"success_rate": 0.5}, a)
+
+
+def _degraded(base_dir: Path, out: Path, scale: float = 0.5, seed: int = 0) -> Path:
+    """A copy of `base_dir` with Gaussian noise of `scale` × each tensor's RMS on its weights."""
+    shutil.copytree(base_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and tensor.ndim == 2:
+            rms = tensor.float().pow(2).mean().sqrt()
+            noise = torch.randn(tensor.shape, generator=generator) * rms * scale
+            tensors[name] = (tensor.float() + noise).to(tensor.dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _coordinator(tmp_path: Path, base: Path) -> Coordinator:
+    config = CoordinatorConfig(
+        work_dir=tmp_path / "coord",
+        p2p_port=0,
+        base_checkpoint=base,
+        round=RoundPolicy(min_deltas=1),
+        eval=EvalConfig(domains=["math"], n_tasks=24, experts="none"),
+    )
+    coordinator = Coordinator(config)
+    coordinator.prepare()
+    return coordinator
+
+
+def test_a_degrading_delta_is_held_and_a_restoring_one_published(tmp_path, tiny_base):
+    degraded = _degraded(tiny_base, tmp_path / "degraded")
+    key = load_or_create_identity(tmp_path / "node.key")
+
+    holding = _coordinator(tmp_path / "holding", tiny_base)
+    try:
+        base_id = holding.current_base().id
+        record = hand_in_delta(holding, key, current_base_tensors_of(degraded))
+        rounds = holding.rounds
+        held = rounds.round_record(1)
+        assert held["status"] == "held", held
+        decision = held["decision"]
+        assert not decision["publish"] and "math" in decision["reason"]
+        comparison = decision["comparisons"]["math"]
+        assert comparison["high"] < 0 and comparison["p_worse"] < 0.05
+        assert holding.current_base().id == base_id  # nothing was published
+        assert [i.round for i in holding.registry.list()] == [0]
+        assert rounds.current_round().number == 2
+        assert rounds.current_round().base_id == base_id
+        with holding.store.session() as s:
+            delta = s.get(DeltaRecord, record.id)
+            assert (delta.status, delta.rejection_kind) == ("rejected", "held")
+        listed = TestClient(create_app(holding)).get("/v1/rounds").json()
+        assert listed[0]["status"] == "held" and listed[0]["decision"] == decision
+    finally:
+        holding.store.close()
+
+    restoring = _coordinator(tmp_path / "restoring", degraded)
+    try:
+        degraded_id = restoring.current_base().id
+        hand_in_delta(restoring, key, current_base_tensors_of(tiny_base))
+        published = restoring.rounds.round_record(1)
+        assert published["status"] == "published", published["error"]
+        assert published["decision"]["publish"]
+        assert published["decision"]["comparisons"]["math"]["mean"] > 0
+        assert restoring.current_base().id != degraded_id
+        assert restoring.current_base().id == published["checkpoint_id"]
+    finally:
+        restoring.store.close()
+
+
+def current_base_tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
