@@ -64,11 +64,12 @@ def evaluate_checkpoint(
     temperature: float = 1.0,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     num_threads: int | None = None,
+    tasks_file: Path | None = None,
 ) -> EvalResult:
     """Play one episode on each of `n_tasks` held-out tasks of `domain` (greedy by default, or
     sampled at `temperature` with `seed`) and report mean reward and success rate, with each
     task's reward, success and id in task order. `num_threads`, when given, sets torch's
-    threads first."""
+    threads first; `tasks_file`, when given, holds the tasks (its held-out split)."""
     if n_tasks < 1:
         raise ValueError("n_tasks must be at least 1")
     if num_threads is not None:
@@ -77,7 +78,7 @@ def evaluate_checkpoint(
         model, tokenizer = load_policy(Path(path_or_model_and_tokenizer))
     else:
         model, tokenizer = path_or_model_and_tokenizer
-    environment = get_environment(domain)
+    environment = get_environment(domain, tasks_file=tasks_file)
     episodes = play_episodes(
         model,
         tokenizer,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FilePath, field_validator, model_validator
 from skillswarm.merge.methods import MergeSpec
 from skillswarm.merge.outer import OuterOptimizerConfig
 
@@ -35,6 +35,11 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     domains: list[str] = Field(default_factory=lambda: ["math"])
+    tasks_files: dict[str, FilePath] = Field(
+        default_factory=dict,
+        description="domain -> JSONL task file (.jsonl or .jsonl.gz) whose held-out split that "
+        "domain is scored on, instead of its generator's; give nodes the same file",
+    )
     n_tasks: int = Field(
         default=128,
         ge=1,

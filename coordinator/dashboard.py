@@ -1,9 +1,9 @@
 """The coordinator's web dashboard: one page that reads the public /v1 API and shows the nodes
 (domain, last seen, step, reward), the rounds with their evaluation tables (success rates with
 their intervals), the publication verdict of each round (published or held, why, and the paired
-difference to the base), and the published model's held-out success per domain, round after round.
-No build step and no external assets: the page is plain HTML with a small script, safe to serve
-from an air-gapped box.
+difference to the base), and the published model's held-out success per domain from the base
+(round 0) on, each line named at its end. No build step and no external assets: the page is plain
+HTML with a small script, safe to serve from an air-gapped box.
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ function decisionBlock(round) {
         c.n, p(c.p_worse), p(c.p_better)])) : "");
 }
 
-// Per domain, the published model's success after each evaluated round: the first round's base
-// before it, then a published round's merged row, or for a held round the value carried over.
+// Per domain, the published model's success after each evaluated round, from the base at round
+// 0 (the first evaluated round's base: a round before it published nothing, or it would have
+// been evaluated): a published round's merged row, or for a held round the value carried over.
 function publishedSeries(rounds) {
   const evaluated = rounds.filter((r) => Object.keys(r.evaluation || {}).length)
     .sort((a, b) => a.number - b.number);
@@ -142,7 +143,7 @@ function publishedSeries(rounds) {
       (points[domain] = points[domain] || []).push({number, row, held});
     }
   };
-  add(evaluated[0].number - 1, false);
+  add(0, false);
   for (const round of evaluated) {
     const published = round.status === "published";
     if (published) {
@@ -155,14 +156,15 @@ function publishedSeries(rounds) {
   return points;
 }
 
+// The published model's success per domain against the round, from the base (round 0); each
+// line is named at its end, the names pushed apart where lines end close together.
 function curves(rounds) {
   const points = publishedSeries(rounds);
   const domains = Object.keys(points).sort();
   if (!domains.length) return el("div", {class: "muted"}, "no evaluated rounds yet");
-  const width = 520, height = 220, left = 40, bottom = 30, top = 10, right = 110;
-  const numbers = domains.flatMap((d) => points[d].map((p) => p.number));
-  const lo = Math.min(...numbers), hi = Math.max(...numbers, lo + 1);
-  const x = (n) => left + (width - left - right) * (n - lo) / (hi - lo);
+  const width = 520, height = 220, left = 40, bottom = 30, top = 10, right = 90;
+  const hi = Math.max(1, ...domains.flatMap((d) => points[d].map((p) => p.number)));
+  const x = (n) => left + (width - left - right) * n / hi;
   const y = (v) => top + (height - top - bottom) * (1 - v);
   const ns = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(ns, "svg");
@@ -173,17 +175,22 @@ function curves(rounds) {
     for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
     if (text !== undefined) node.textContent = text;
     svg.appendChild(node);
+    return node;
   };
   for (const v of [0, 0.5, 1]) {
     add("line", {x1: left, x2: width - right, y1: y(v), y2: y(v), stroke: "#d0d7de"});
     add("text", {x: 4, y: y(v) + 4}, (100 * v) + "%");
   }
-  add("text", {x: left, y: height - 8}, "round " + lo);
-  add("text", {x: width - right - 50, y: height - 8}, "round " + hi);
+  const every = Math.ceil(hi / 8);
+  for (let n = 0; n <= hi; n += every) {
+    add("text", {x: x(n), y: height - 12, "text-anchor": "middle", class: "round-tick"},
+      n === 0 ? "base" : String(n));
+  }
+  const ends = [];
   domains.forEach((domain, index) => {
     const color = COLORS[index % COLORS.length];
     const series = points[domain];
-    add("polyline", {fill: "none", stroke: color, "stroke-width": 2,
+    add("polyline", {fill: "none", stroke: color, "stroke-width": 2, "data-domain": domain,
       points: series.map((p) => x(p.number) + "," + y(p.row.success_rate)).join(" ")});
     for (const {number, row, held} of series) {
       if (typeof row.success_low === "number" && typeof row.success_high === "number") {
@@ -192,14 +199,19 @@ function curves(rounds) {
       }
       add("circle", {cx: x(number), cy: y(row.success_rate), r: held ? 4 : 3,
         fill: held ? "#fff" : color, stroke: color, "stroke-width": held ? 2 : 0,
-        "data-held": held ? "true" : "false"});
+        "data-held": held ? "true" : "false", "data-domain": domain});
     }
-    add("text", {x: width - right + 8, y: top + 14 * (index + 1), fill: color,
-      "data-domain": domain}, domain);
+    const last = series[series.length - 1];
+    ends.push({domain, color, x: x(last.number) + 8, y: y(last.row.success_rate) + 4});
   });
-  add("text", {x: width - right + 8, y: height - bottom - 14}, "○ held round");
-  add("text", {x: width - right + 8, y: height - bottom}, "| interval");
-  return svg;
+  ends.sort((a, b) => a.y - b.y);
+  for (let i = 1; i < ends.length; i++) ends[i].y = Math.max(ends[i].y, ends[i - 1].y + 12);
+  for (const end of ends) {
+    add("text", {x: end.x, y: end.y, fill: end.color, "data-domain": end.domain,
+      class: "line-label"}, end.domain);
+  }
+  return el("div", {}, svg,
+    el("div", {class: "muted"}, "○ a held round (the published model carried over) · | interval"));
 }
 
 async function getJSON(path) {

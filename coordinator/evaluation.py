@@ -85,7 +85,13 @@ class Evaluator:
                     continue
             if policy is None:
                 policy = load_policy(folder)
-            result = evaluate_checkpoint(policy, domain, n_tasks=n_tasks, seed=seed)
+            result = evaluate_checkpoint(
+                policy,
+                domain,
+                n_tasks=n_tasks,
+                seed=seed,
+                tasks_file=self.eval_config.tasks_files.get(domain),
+            )
             scores[domain] = scores_row(result, self.eval_config.level)
             if cache_as is not None:
                 with self._cache_lock:

@@ -32,6 +32,7 @@ COORDINATOR_METRIC_HELP = {
     "checkpoints_published_total": "Checkpoints published to the registry.",
     "checkpoints_retired_total": "Checkpoints retired by the operator.",
     "rounds_failed_total": "Rounds whose merge failed.",
+    "rounds_held_total": "Rounds whose merge was worse than the base on a domain: not published.",
     "nodes_seen": "Peers heard from, by heartbeat or delta.",
     "gossip_refused_access_total": "Gossip from denied peers or outside the allow-list, unread.",
     "gossip_refused_malformed_total": "Gossip that did not decode, recorded against its sender.",

@@ -264,8 +264,9 @@ class Rounds:
         finally:
             self._merge_lock.release()
 
-    def _run_round(self, number: int, trigger: RoundTrigger) -> CheckpointInfo:
-        """Merge round `number` (open, with accepted deltas); the caller holds the merge lock."""
+    def _run_round(self, number: int, trigger: RoundTrigger) -> CheckpointInfo | None:
+        """Merge round `number` (open, with accepted deltas) and publish the merge, or hold the
+        round (None) when the publication rule refuses it; the caller holds the merge lock."""
         plan = self.config.merge
         with self._state_lock, self.store.session() as s:
             row = s.get(RoundRecord, number)

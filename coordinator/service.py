@@ -392,6 +392,7 @@ class Coordinator:
             "deltas_rejected_total": float(by_status.get(DeltaStatus.REJECTED, 0)),
             "rounds_completed_total": float(rounds.get(RoundStatus.PUBLISHED, 0)),
             "rounds_failed_total": float(rounds.get(RoundStatus.FAILED, 0)),
+            "rounds_held_total": float(rounds.get(RoundStatus.HELD, 0)),
             "current_round": float(current or 0),
             "merge_seconds_last": float(last_merge or 0.0),
             "checkpoints_published_total": float(len(checkpoints)),

@@ -43,4 +43,8 @@ WORKDIR /var/lib/skillswarm
 VOLUME /var/lib/skillswarm
 # On SIGTERM the node stops once the training in progress ends: `docker stop -t 900`.
 STOPSIGNAL SIGTERM
+# The entry point refuses to start a node where no GPU is visible (a `docker run` without
+# --gpus), saying so, instead of failing later inside vLLM; other commands run as given.
+COPY --chmod=0755 deploy/node-entrypoint.sh /usr/local/bin/skillswarm-node-entrypoint
+ENTRYPOINT ["skillswarm-node-entrypoint"]
 CMD ["skillswarm", "node", "run", "--config", "/etc/skillswarm/node.toml"]

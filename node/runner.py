@@ -46,8 +46,12 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     write_bytes_atomically(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
-def _evaluate(model_and_tokenizer: Any, domain: str, n_tasks: int, seed: int) -> EvalResult:
-    return evaluate_checkpoint(model_and_tokenizer, domain, n_tasks=n_tasks, seed=seed)
+def _evaluate(
+    model_and_tokenizer: Any, domain: str, n_tasks: int, seed: int, tasks_file: Path | None
+) -> EvalResult:
+    return evaluate_checkpoint(
+        model_and_tokenizer, domain, n_tasks=n_tasks, seed=seed, tasks_file=tasks_file
+    )
 
 
 def run_training(
@@ -61,16 +65,18 @@ def run_training(
     torch_threads: int = 1,
     progress: bool = True,
     handle_signals: bool = True,
+    tasks_file: Path | None = None,
 ) -> TrainingOutcome:
     """Train the model at `base` on `domain` into `out_dir` (resuming a run found there).
     SIGTERM or SIGINT finish the step in progress, write a checkpoint and return early
-    (`stopped_early`), without the final evaluation."""
+    (`stopped_early`), without the final evaluation. With `tasks_file`, RL plays the file's train
+    split and the evaluations its held-out split."""
     started = time.perf_counter()
     set_torch_threads(torch_threads)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_policy(base)
-    env = get_environment(domain)
+    env = get_environment(domain, tasks_file=tasks_file)
     before: EvalResult | None = None
     if eval_tasks:
         before_path = out_dir / BEFORE_FILE
@@ -78,7 +84,7 @@ def run_training(
             before = EvalResult(**json.loads(before_path.read_text()))
         else:
             logger.info("evaluating the base on %d held-out %s tasks", eval_tasks, domain)
-            before = _evaluate((model, tokenizer), domain, eval_tasks, eval_seed)
+            before = _evaluate((model, tokenizer), domain, eval_tasks, eval_seed, tasks_file)
             _write_json(before_path, before.to_dict())
     reporter = ProgressReporter(config.steps, f"{domain} RL", enabled=progress)
 
@@ -122,7 +128,7 @@ def run_training(
         model.save_pretrained(out_dir / "final")
         save_tokenizer(tokenizer, out_dir / "final")
         if eval_tasks:
-            after = _evaluate((model, tokenizer), domain, eval_tasks, eval_seed)
+            after = _evaluate((model, tokenizer), domain, eval_tasks, eval_seed, tasks_file)
     seconds = time.perf_counter() - started
     _write_json(
         out_dir / SUMMARY_FILE,

@@ -1,11 +1,12 @@
-"""The `skillswarm` command: demo, node run, coordinator serve, pull, bootstrap, train,
-env list/try, serve-model, version."""
+"""The `skillswarm` command: demo, node run, coordinator serve, config show, pull, bootstrap,
+train, env list/try, serve-model, version."""
 
 from __future__ import annotations
 
 import logging
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -21,20 +22,52 @@ from rich.progress import (
 
 import skillswarm
 
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+ConfigT = TypeVar("ConfigT", bound="BaseModel")
+
 app = typer.Typer(
     help="Decentralized post-training of tool-using LLM agents.", no_args_is_help=True
 )
 node_app = typer.Typer(help="Run a training node.", no_args_is_help=True)
 env_app = typer.Typer(help="List the skill environments and watch episodes.", no_args_is_help=True)
 coordinator_app = typer.Typer(help="Run the merge coordinator service.", no_args_is_help=True)
+config_app = typer.Typer(help="Show a resolved configuration.", no_args_is_help=True)
 app.add_typer(node_app, name="node")
 app.add_typer(coordinator_app, name="coordinator")
+app.add_typer(config_app, name="config")
 app.add_typer(env_app, name="env")
 console = Console(stderr=True)
 
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML file; defaults are used without one")
 ]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set train.learning_rate=0.01 (a TOML value; "
+        "repeatable); over SKILLSWARM_* variables (SKILLSWARM_TRAIN__LEARNING_RATE=0.01), "
+        "which are over the file",
+    ),
+]
+TasksOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tasks",
+        help="the domain's tasks from a JSONL file (.jsonl or .jsonl.gz; HumanEval or MBPP "
+        "records for code) instead of its generator",
+    ),
+]
+
+
+def _config(model: type[ConfigT], config: Path | None, sets: list[str] | None) -> ConfigT:
+    """The model from its defaults, the file, the SKILLSWARM_* variables and the --set's."""
+    from skillswarm.protocol.tomlconfig import load_config
+
+    return load_config(model, config, overrides=sets or ())
 
 
 def _logging(verbose: bool) -> None:
@@ -58,15 +91,15 @@ def version() -> None:
 
 
 @node_app.command("run")
-def node_run(config: ConfigOption = None, verbose: bool = False) -> None:
+def node_run(config: ConfigOption = None, set_: SetOption = None, verbose: bool = False) -> None:
     """Train on one domain, publish deltas, rebase on merged checkpoints."""
     from skillswarm.node.config import NodeConfig
     from skillswarm.node.daemon import NodeError, run_node
-    from skillswarm.protocol.tomlconfig import ConfigFileError, load_toml_config
+    from skillswarm.protocol.tomlconfig import ConfigFileError
 
     _logging(verbose)
     try:
-        cfg = load_toml_config(config, NodeConfig) if config else NodeConfig()
+        cfg = _config(NodeConfig, config, set_)
         results = run_node(cfg)
     except (ConfigFileError, NodeError) as exc:
         _fail(exc)
@@ -79,19 +112,48 @@ def node_run(config: ConfigOption = None, verbose: bool = False) -> None:
 
 
 @coordinator_app.command("serve")
-def coordinator_serve(config: ConfigOption = None, verbose: bool = False) -> None:
+def coordinator_serve(
+    config: ConfigOption = None, set_: SetOption = None, verbose: bool = False
+) -> None:
     """Serve the coordinator: delta intake over libp2p, merges, registry and API over HTTP."""
     from skillswarm.coordinator.app import serve
     from skillswarm.coordinator.config import CoordinatorConfig
     from skillswarm.coordinator.service import MissingBaseCheckpoint
-    from skillswarm.protocol.tomlconfig import ConfigFileError, load_toml_config
+    from skillswarm.protocol.tomlconfig import ConfigFileError
 
     _logging(verbose)
     try:
-        cfg = load_toml_config(config, CoordinatorConfig) if config else CoordinatorConfig()
+        cfg = _config(CoordinatorConfig, config, set_)
         serve(cfg)
     except (ConfigFileError, MissingBaseCheckpoint) as exc:
         _fail(exc)
+
+
+class ConfigKind(StrEnum):
+    node = "node"
+    coordinator = "coordinator"
+
+
+@config_app.command("show")
+def config_show(
+    kind: Annotated[ConfigKind, typer.Option(help="whose configuration")],
+    config: ConfigOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Print the configuration a node or coordinator would run with, as TOML: the file, the
+    SKILLSWARM_* variables and the --set's over the defaults (a node's RL settings over its
+    domain's recipe)."""
+    from skillswarm.coordinator.config import CoordinatorConfig
+    from skillswarm.node.config import NodeConfig
+    from skillswarm.protocol.tomlconfig import ConfigFileError, config_toml
+
+    model: type[BaseModel] = NodeConfig if kind is ConfigKind.node else CoordinatorConfig
+    try:
+        cfg = _config(model, config, set_)
+    except ConfigFileError as exc:
+        _fail(exc)
+        return
+    typer.echo(config_toml(cfg), nl=False)
 
 
 @app.command("pull")
@@ -131,14 +193,16 @@ def env_try(
         bool, typer.Option("--solver", help="play the environment's solver (the default)")
     ] = False,
     split: Annotated[str, typer.Option(help="train or heldout")] = "heldout",
+    tasks: TasksOption = None,
     seed: int = 0,
     temperature: Annotated[float, typer.Option(min=0.01)] = 1.0,
     greedy: bool = False,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
 ) -> None:
     """Play N episodes of DOMAIN with a model (or the solver) and show them turn by turn."""
-    from skillswarm.agent.envs import UnknownEnvironmentError
+    from skillswarm.agent.envs import TasksFileNotSupportedError, UnknownEnvironmentError
     from skillswarm.agent.envs.base import InvalidSplitError
+    from skillswarm.agent.envs.taskfiles import TaskFileError
     from skillswarm.agent.model import CheckpointLoadError
     from skillswarm.envview import play_for_viewing, print_episode, summary_table
 
@@ -151,12 +215,19 @@ def env_try(
             n,
             model_path=model,
             split=split,
+            tasks_file=tasks,
             seed=seed,
             temperature=temperature,
             greedy=greedy,
             max_new_tokens=max_new_tokens,
         )
-    except (UnknownEnvironmentError, InvalidSplitError, CheckpointLoadError) as exc:
+    except (
+        UnknownEnvironmentError,
+        InvalidSplitError,
+        CheckpointLoadError,
+        TaskFileError,
+        TasksFileNotSupportedError,
+    ) as exc:
         _fail(exc)
         return
     for index, episode in enumerate(episodes):
@@ -214,9 +285,32 @@ def bootstrap(
     threads: Annotated[
         int | None, typer.Option(min=1, help="torch threads (default: the cores, up to 4)")
     ] = None,
+    prebuilt: Annotated[
+        bool,
+        typer.Option(
+            "--prebuilt",
+            help="copy the base shipped in the package (built with the recommended settings) "
+            "instead of building one",
+        ),
+    ] = False,
 ) -> None:
     """Build the embedded base: tiny model and tokenizer, copy-pretrained, then warm-started on
-    solver demonstrations."""
+    solver demonstrations; or, with --prebuilt, copy the one shipped in the package."""
+    if prebuilt:
+        import shutil
+
+        from skillswarm.node.bootstrap import EmbeddedBaseMissing, embedded_base
+
+        try:
+            source = embedded_base()
+        except EmbeddedBaseMissing as exc:
+            _fail(exc)
+        if out.exists() and any(out.iterdir()):
+            _fail(FileExistsError(f"{out} is not empty; choose an empty or new folder"))
+        shutil.copytree(source, out, dirs_exist_ok=True)
+        console.print(f"copied the prebuilt base (how it was built: {out}/skillswarm_base.json)")
+        typer.echo(str(out))
+        return
     from skillswarm.agent.envs import UnknownEnvironmentError
     from skillswarm.agent.evaluate import evaluate_checkpoint
     from skillswarm.agent.model import build_threads
@@ -296,6 +390,16 @@ def train(
         "runs/train"
     ),
     config: ConfigOption = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            metavar="KEY=VALUE",
+            help="override an RL setting, e.g. --set learning_rate=0.01 (a TOML value; "
+            "repeatable); over SKILLSWARM_TRAIN__* variables, which are over the file",
+        ),
+    ] = None,
+    tasks: TasksOption = None,
     steps: Annotated[int | None, typer.Option(min=1)] = None,
     max_staleness: Annotated[int | None, typer.Option(min=0)] = None,
     checkpoint_every: Annotated[int | None, typer.Option(min=0)] = None,
@@ -309,15 +413,30 @@ def train(
     from skillswarm.node.pipeline import RLConfig
     from skillswarm.node.recipes import DOMAIN_RECIPES
     from skillswarm.node.runner import run_training
-    from skillswarm.protocol.tomlconfig import ConfigFileError, load_toml_config
+    from skillswarm.protocol.tomlconfig import (
+        ENV_NESTING,
+        ENV_PREFIX,
+        ConfigFileError,
+        read_toml_table,
+        resolve_config,
+    )
 
     _logging(verbose)
     try:
         if config:
-            rl = load_toml_config(config, RLConfig)
+            table, source = read_toml_table(config), str(config)
         else:  # the domain's recommended settings (node/recipes.py), checkpointing every step
             recipe = DOMAIN_RECIPES.get(domain, RLConfig())
-            rl = recipe.model_copy(deep=True, update={"checkpoint_every": 1})
+            table = {**recipe.model_dump(), "checkpoint_every": 1}
+            source = f"the {domain} recipe"
+        # The variables a node's [train] reads, SKILLSWARM_TRAIN__…, count here too.
+        rl = resolve_config(
+            RLConfig,
+            table,
+            source=source,
+            overrides=set_ or (),
+            env_prefix=f"{ENV_PREFIX}TRAIN{ENV_NESTING}",
+        )
         overrides = {
             key: value
             for key, value in (
@@ -329,7 +448,13 @@ def train(
         }
         rl = RLConfig.model_validate({**rl.model_dump(), **overrides})
         outcome = run_training(
-            base, domain, out, rl, eval_tasks=eval_tasks, torch_threads=torch_threads
+            base,
+            domain,
+            out,
+            rl,
+            eval_tasks=eval_tasks,
+            torch_threads=torch_threads,
+            tasks_file=tasks,
         )
     except (ConfigFileError, UnknownEnvironmentError, CheckpointLoadError, ValueError) as exc:
         _fail(exc)
@@ -379,7 +504,7 @@ def demo(
     ] = None,
     eval_tasks: Annotated[
         int | None,
-        typer.Option(min=1, help="held-out tasks per domain per evaluation [default: 64]"),
+        typer.Option(min=1, help="held-out tasks per domain per evaluation [default: 128]"),
     ] = None,
 ) -> None:
     """Coordinator + three nodes (math, code, search) on 127.0.0.1, three rounds from the

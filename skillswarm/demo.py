@@ -117,9 +117,9 @@ class DemoSettings:
 
 
 # The full demo: rounds of each domain's recipe (about a minute of training a round on 2 cores)
-# and 64 held-out tasks per domain, in about a quarter of an hour on 2 cores.
+# and 128 held-out tasks per domain, in about a quarter of an hour on 2 cores.
 FULL_ROUNDS = 3
-FULL_EVAL_TASKS = 64
+FULL_EVAL_TASKS = 128
 
 
 def demo_settings(quick: bool, steps: int | None, eval_tasks: int | None) -> DemoSettings:

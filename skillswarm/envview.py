@@ -40,16 +40,18 @@ def play_for_viewing(
     *,
     model_path: Path | None,
     split: str = "heldout",
+    tasks_file: Path | None = None,
     seed: int = 0,
     temperature: float = 1.0,
     greedy: bool = False,
     max_new_tokens: int = 256,
 ) -> list[Episode]:
-    """Play `n` tasks of `domain` with the model at `model_path`, or with the solver when None."""
+    """Play `n` tasks of `domain` (from `tasks_file` when given) with the model at `model_path`,
+    or with the solver when None."""
     from skillswarm.agent.inference import HFBackend, SolverBackend
     from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tokenizer, load_policy
 
-    env = get_environment(domain)
+    env = get_environment(domain, tasks_file=tasks_file)
     tasks = env.tasks(split, n, seed=seed)  # type: ignore[arg-type]
     if model_path is None:
         backend = SolverBackend(env, build_tokenizer(TEMPLATE_FIXED_STRINGS))

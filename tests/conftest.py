@@ -1,5 +1,6 @@
-"""Shared test setup: one torch thread per process, GPU tests skipped where there is no GPU, the
-order pytest-xdist's workers take the test files in, and the shared tiny base model."""
+"""Shared test setup: one torch thread per process, GPU tests skipped where there is no GPU and
+vLLM tests where there is no vLLM, the order pytest-xdist's workers take the test files in, and the
+shared tiny base model."""
 
 from __future__ import annotations
 
@@ -42,13 +43,21 @@ LONG_FILES = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip GPU tests where there is no GPU, and order the test files as above."""
+    """Skip GPU tests where there is no GPU and vLLM tests where vLLM is not installed (they run
+    in the venv `.ci/vllm-cpu` makes), and order the test files as above."""
+    import importlib.util
+
     import torch
 
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
         for item in items:
             if "gpu" in item.keywords:
+                item.add_marker(skip)
+    if importlib.util.find_spec("vllm") is None:
+        skip = pytest.mark.skip(reason="needs vLLM (marked vllm; .ci/vllm-cpu runs them)")
+        for item in items:
+            if "vllm" in item.keywords:
                 item.add_marker(skip)
 
     def file_of(item: pytest.Item) -> str:

@@ -115,12 +115,24 @@ def test_bootstrap_shares_demonstrations_by_weight_and_refuses_bad_weights(tmp_p
     assert provenance["domain_weights"] == [2.5, 1.0]
     assert provenance["warm_start_steps"] == 2
     assert provenance["copy_pretraining_steps"] == 3
+    assert provenance["built_with"]["torch"].startswith("2.")
     assert 0 <= provenance["copy_accuracy"] < 0.9  # three steps copy next to nothing
     assert "copy pretraining" in built.stderr
     refused = _cli("bootstrap", str(tmp_path / "no"), "--domains", "math", "--weights", "code=3")
     assert refused.returncode == 2, refused.stderr
     assert "'code' is not one of the domains" in refused.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_bootstrap_prebuilt_copies_the_shipped_base(tmp_path: Path, tiny_base: Path):
+    out = tmp_path / "base"
+    copied = _cli("bootstrap", str(out), "--prebuilt")
+    assert copied.returncode == 0, copied.stderr
+    assert copied.stdout.strip() == str(out)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "skillswarm_base.json"):
+        assert (out / name).read_bytes() == (tiny_base / name).read_bytes(), name
+    again = _cli("bootstrap", str(out), "--prebuilt")
+    assert again.returncode == 1 and "not empty" in again.stderr
 
 
 def test_domain_weights_are_parsed_and_checked():

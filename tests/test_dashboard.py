@@ -191,3 +191,14 @@ def test_dashboard_shows_nodes_rounds_scores_held_rounds_and_curves(
     assert 'data-domain="math"' in page
     # The published curve: round 0's base, round 1 published, round 2 held (carried over).
     assert page.count('data-held="false"') == 2 and page.count('data-held="true"') == 1
+    # It starts at the base, round 0, on the axis's first tick, and is named at its end.
+    ticks = re.findall(r'<text x="([\d.]+)"[^>]*class="round-tick">([^<]+)</text>', page)
+    assert ticks[0][1] == "base" and [label for _, label in ticks[1:]] == ["1", "2"]
+    circles = re.findall(r'<circle cx="([\d.]+)" cy="([\d.]+)"[^>]*data-domain="math"', page)
+    xs = [float(cx) for cx, _ in circles]
+    assert xs == [float(x) for x, _ in ticks]  # base, round 1, round 2
+    label = re.search(r'<text x="([\d.]+)" y="([\d.]+)"[^>]*data-domain="math"[^>]*>math<', page)
+    assert label is not None
+    end_x, end_y = xs[-1], float(circles[-1][1])
+    assert end_x < float(label.group(1)) <= end_x + 10
+    assert abs(float(label.group(2)) - end_y) <= 6

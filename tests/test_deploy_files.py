@@ -394,39 +394,48 @@ def test_skypilot_task_asks_for_a_gpu_and_installs_the_gpu_extra():
         assert (ROOT / source).exists(), f"file_mounts {destination}: {source} is missing"
 
 
-def test_skypilot_run_writes_a_valid_config_and_runs_a_real_command(tmp_path: Path):
+def test_skypilot_run_overrides_the_mounted_config_and_runs_a_real_command(tmp_path: Path):
     task = _skypilot()
     run = task["run"]
     (argv,) = _skillswarm_lines(run)
     path, params = _resolve_cli(argv)
     assert path == ("node", "run")
-    # The run section writes the config it passes to the node from the mounted node-gpu.toml.
-    render = re.search(r"^(\S+) - (\S+) (\S+) <<'EOF'\n(.*?)^EOF$", run, re.S | re.M)
-    assert render, "the run section writes the node config with an inline script"
-    _, source, target, script = render.groups()
-    assert str(params["config"]) == target
-    mounted_source = task["file_mounts"][source]
-    rendered = tmp_path / "node.toml"
-    env = {
-        **os.environ,
-        **{key: str(value) for key, value in task["envs"].items()},
-        "SKILLSWARM_COORDINATOR_URL": "http://192.0.2.7:8470",
-        "SKILLSWARM_DOMAIN": "search",
-        "SKILLSWARM_COORDINATOR_PEER": "/ip4/192.0.2.7/tcp/4001/p2p/12D3KooWExample",
-        "HOME": str(tmp_path),
-    }
+    assert str(params["config"]) in task["file_mounts"]
+    # The run section as SkyPilot runs it, in a home with the mounted files, its `skillswarm`
+    # printing the configuration `node run` would start with instead of starting a node.
+    for destination, source in task["file_mounts"].items():
+        mounted = tmp_path / destination.removeprefix("~/")
+        mounted.parent.mkdir(parents=True, exist_ok=True)
+        mounted.write_text((ROOT / source).read_text())
+    shim = tmp_path / Path(argv[0].removeprefix("~/"))
+    shim.parent.mkdir(parents=True)
+    shim.write_text(
+        '#!/bin/sh\n[ "$1 $2" = "node run" ] || exit 64\nshift 2\n'
+        f'exec {sys.executable} -m skillswarm.cli config show --kind node "$@"\n'
+    )
+    shim.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SKILLSWARM_")}
+    env.update({key: str(value) for key, value in task["envs"].items()})
+    env["HOME"] = str(tmp_path)
+    missing_url = subprocess.run(
+        ["bash", "-c", run], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert missing_url.returncode != 0 and "SKILLSWARM_COORDINATOR_URL" in missing_url.stderr
+    env.update(
+        {
+            "SKILLSWARM_COORDINATOR_URL": "http://192.0.2.7:8470",
+            "SKILLSWARM_DOMAIN": "search",
+            "SKILLSWARM_BOOTSTRAP_PEERS": '["/ip4/192.0.2.7/tcp/4001/p2p/12D3KooWExample"]',
+        }
+    )
     result = subprocess.run(
-        [sys.executable, "-", str(ROOT / mounted_source), str(rendered)],
-        input=script,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        ["bash", "-c", run], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    node = _validated_config(rendered, NodeConfig)
+    node = NodeConfig.model_validate(tomllib.loads(result.stdout))
     assert node.coordinator_url == "http://192.0.2.7:8470"
     assert node.domain == "search"
-    assert node.bootstrap_peers[-1] == "/ip4/192.0.2.7/tcp/4001/p2p/12D3KooWExample"
+    assert node.bootstrap_peers == ["/ip4/192.0.2.7/tcp/4001/p2p/12D3KooWExample"]
     assert node.work_dir == tmp_path / "skillswarm-data"
     assert node.inference.backend == "vllm"
+    assert node.train.learning_rate == 1e-6  # the mounted file's

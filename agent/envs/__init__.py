@@ -7,6 +7,8 @@ line in `_BUILTIN_MODULES` below.
 from __future__ import annotations
 
 import importlib
+import inspect
+from pathlib import Path
 from typing import Any, TypeVar
 
 from skillswarm.agent.envs.base import Environment
@@ -32,6 +34,10 @@ class UnknownEnvironmentError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class TasksFileNotSupportedError(ValueError):
+    """Raised when a task file is given for an environment that reads none."""
 
 
 def register_environment(environment_class: EnvironmentClass) -> EnvironmentClass:
@@ -73,17 +79,36 @@ def environment_class(name: str) -> type[Environment]:
     return found
 
 
-def get_environment(name: str, **kwargs: Any) -> Environment:
-    """Instantiate the environment registered as `name` with `kwargs`."""
-    return environment_class(name)(**kwargs)
+def takes_tasks_file(name: str) -> bool:
+    """Whether the environment registered as `name` can read its tasks from a file."""
+    return "tasks_file" in inspect.signature(environment_class(name)).parameters
+
+
+def get_environment(
+    name: str, *, tasks_file: str | Path | None = None, **kwargs: Any
+) -> Environment:
+    """Instantiate the environment registered as `name` with `kwargs`; `tasks_file`, when given,
+    goes to an environment that takes one and is refused by one that does not."""
+    found = environment_class(name)
+    if tasks_file is None:
+        return found(**kwargs)
+    if not takes_tasks_file(name):
+        readers = [other for other in list_environments() if takes_tasks_file(other)]
+        raise TasksFileNotSupportedError(
+            f"the {name} environment reads no task file ({tasks_file}); environments that do: "
+            f"{', '.join(readers) or 'none'}"
+        )
+    return found(tasks_file=tasks_file, **kwargs)
 
 
 __all__ = [
     "DuplicateEnvironmentError",
     "Environment",
+    "TasksFileNotSupportedError",
     "UnknownEnvironmentError",
     "environment_class",
     "get_environment",
     "list_environments",
     "register_environment",
+    "takes_tasks_file",
 ]

@@ -1,16 +1,15 @@
 """The `code` environment: write a small Python function to a spec and test it in a sandbox.
 
-Tasks come from a seeded generator of small function families or from a HumanEval-style JSONL
-file. The model calls `run_tests` (the task's visible tests, run by agent.sandbox) and answers with
-the function's code in `<answer>…</answer>`; the reward is the share of hidden tests it passes.
+Tasks come from a seeded generator of small function families or from a task file of HumanEval
+or MBPP records (agent/envs/taskfiles.py). The model calls `run_tests` (the task's visible tests,
+run by agent.sandbox) and answers with the function's code in `<answer>…</answer>`; the reward is
+the share of hidden tests it passes.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
 import hashlib
-import json
 import random
 import re
 import string
@@ -22,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skillswarm.agent import pyast
 from skillswarm.agent.envs import register_environment
 from skillswarm.agent.envs.base import (
     Environment,
@@ -34,6 +32,7 @@ from skillswarm.agent.envs.base import (
     draw_split_tasks,
     split_of_text,
 )
+from skillswarm.agent.envs.taskfiles import FileTask, TaskFileError, load_task_file
 from skillswarm.agent.sandbox import (
     MiB,
     SandboxLimits,
@@ -57,10 +56,6 @@ TEST_REPORTS_KEPT = 4096
 _REPORT_PATTERN = re.compile(r"^passed (\d+)/(\d+)")
 _FENCE_PATTERN = re.compile(r"^```[\w+-]*[ \t]*\n(.*?)\n?```$", re.DOTALL)
 _WORD_LETTERS = "abcdeilmnorstu"
-
-
-class TaskFileError(ValueError):
-    """A HumanEval-style task file that cannot be read; the message names the file and line."""
 
 
 class NoReferenceSolutionError(ValueError):
@@ -355,97 +350,20 @@ class TestReportMemo:
                 self._reports.popitem(last=False)
 
 
-@dataclass(frozen=True)
-class FileTask:
-    """One problem of a HumanEval-style file: `prompt` holds the function's signature and
-    docstring, `test` defines `check(candidate)`."""
-
-    task_id: str
-    prompt: str
-    entry_point: str
-    test: str
-    canonical_solution: str | None
-
-
-def _defines_check(test: str) -> bool:
-    tree = pyast.parse(test)
-    return any(isinstance(node, ast.FunctionDef) and node.name == "check" for node in tree.body)
-
-
-def load_task_file(path: str | Path) -> list[FileTask]:
-    """Read a HumanEval-style JSONL file (one object per line with `task_id`, `prompt`,
-    `entry_point`, `test` and optionally `canonical_solution`); raise TaskFileError naming the
-    line of the first problem."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise TaskFileError(f"cannot read task file {path}: {error}") from error
-    tasks: list[FileTask] = []
-    seen: set[str] = set()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise TaskFileError(f"{where}: not valid JSON ({error.msg})") from error
-        if not isinstance(record, dict):
-            raise TaskFileError(f"{where}: each line must be a JSON object")
-        for key in ("task_id", "prompt", "entry_point", "test"):
-            value = record.get(key)
-            if not isinstance(value, str) or not value.strip():
-                raise TaskFileError(f"{where}: field {key!r} must be a non-empty string")
-        canonical = record.get("canonical_solution")
-        if canonical is not None and not isinstance(canonical, str):
-            raise TaskFileError(f"{where}: field 'canonical_solution' must be a string")
-        task_id, entry_point, test = record["task_id"], record["entry_point"], record["test"]
-        if not entry_point.isidentifier():
-            raise TaskFileError(f"{where}: entry_point {entry_point!r} is not a Python name")
-        try:
-            defines_check = _defines_check(test)
-        except SyntaxError as error:
-            raise TaskFileError(
-                f"{where}: field 'test' is not valid Python ({error.msg}, line {error.lineno})"
-            ) from error
-        except ValueError as error:  # e.g. a NUL byte in the source
-            raise TaskFileError(f"{where}: field 'test' is not valid Python ({error})") from error
-        if not defines_check:
-            raise TaskFileError(f"{where}: field 'test' must define check(candidate)")
-        if task_id in seen:
-            raise TaskFileError(f"{where}: task_id {task_id!r} appears twice")
-        seen.add(task_id)
-        tasks.append(FileTask(task_id, record["prompt"], entry_point, test, canonical))
-    if not tasks:
-        raise TaskFileError(f"task file {path} holds no tasks")
-    return tasks
-
-
-def _compiles(source: str) -> bool:
-    try:
-        compile(source, "<prompt>", "exec")
-    except (SyntaxError, ValueError):
-        return False
-    return True
-
-
 def _file_task(task: FileTask) -> Task:
-    """A Task for a file problem: the visible and the hidden test are both `check(entry_point)`,
-    and the prompt (when it is valid Python) is setup code, so helpers it defines exist."""
-    check_call = f"{task.test}\n\ncheck({task.entry_point})\n"
-    prompt = f"Complete the Python function `{task.entry_point}`.\n\n{task.prompt.strip()}"
+    """A Task for a task file's problem (see FileTask)."""
     metadata = {
         "family": "file",
         "task_id": task.task_id,
         "entry_point": task.entry_point,
-        "visible_tests": [check_call],
-        "hidden_tests": [check_call],
-        "setup": task.prompt if _compiles(task.prompt) else "",
+        "visible_tests": list(task.visible_tests),
+        "hidden_tests": list(task.hidden_tests),
+        "setup": task.setup,
     }
-    answer = "" if task.canonical_solution is None else task.prompt + task.canonical_solution
     digest = hashlib.sha256(task.task_id.encode("utf-8")).hexdigest()[:16]
-    return Task(id=f"code-file-{digest}", prompt=prompt, answer=answer, metadata=metadata)
+    return Task(
+        id=f"code-file-{digest}", prompt=task.prompt, answer=task.solution or "", metadata=metadata
+    )
 
 
 @register_environment
@@ -613,7 +531,7 @@ class CodeEnvironment(Environment):
                 "(its task file line has no canonical_solution)"
             )
         call = {"name": run_tests.__name__, "arguments": {"code": code}}
-        if "family" in task.metadata:
+        if task.metadata.get("family") != "file":
             # A generated task's reference passes every visible test by construction (the tests
             # replay demonstrations through the sandbox to hold this), so demonstrations for the
             # warm start skip a sandbox run each.
