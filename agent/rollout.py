@@ -31,12 +31,12 @@ from skillswarm.agent.inference import (
     HFBackend,
     InferenceBackend,
 )
+from skillswarm.agent.toolcalls import tool_call_parser
 from skillswarm.agent.tools import (
     TOOL_ERROR_PREFIX,
     ToolCall,
     ToolResult,
     execute_tool_call,
-    parse_tool_calls,
     tool_messages,
 )
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -278,6 +278,9 @@ class RolloutEngine:
     (tool latency overlaps with other episodes' generation; results arriving within
     `gather_window_s` of the first share its batch); `"waves"` waits for all tool calls of a
     round before the next batch, so seeded runs repeat exactly.
+
+    Tool calls are read in the format the tokenizer's templates define (see `toolcalls`);
+    `tool_call_format` names one of `toolcalls.TOOL_CALL_FORMATS` instead.
     """
 
     def __init__(
@@ -291,6 +294,7 @@ class RolloutEngine:
         tool_workers: int = DEFAULT_TOOL_WORKERS,
         schedule: Schedule = "as_ready",
         gather_window_s: float = DEFAULT_GATHER_WINDOW_S,
+        tool_call_format: str | None = None,
     ) -> None:
         if max_new_tokens < 1 or tool_workers < 1:
             raise ValueError("max_new_tokens and tool_workers must be positive")
@@ -316,6 +320,7 @@ class RolloutEngine:
         self.schedule = schedule
         self.gather_window_s = gather_window_s
         self.tools = env.tool_schemas()
+        self.tool_call_parser = tool_call_parser(tokenizer, self.tools, tool_call_format)
         self.abandoned_tool_calls = 0
 
     def play(
@@ -404,6 +409,7 @@ class RolloutEngine:
         """Record one sampled assistant turn; return its tool calls to run (empty when the
         episode ended)."""
         turn = episode.num_turns
+        prompt = episode.rendered_text
         episode.num_turns += 1
         episode.turn_rewards.append(0.0)
         episode.tokens.add_sampled(
@@ -429,7 +435,7 @@ class RolloutEngine:
             episode.final_answer = answer
             episode.finish_reason = "answer"
             return []
-        calls = parse_tool_calls(content)
+        calls = self.tool_call_parser.parse(content, prompt)
         if not calls:
             episode.finish_reason = "no_tool_call"
             return []

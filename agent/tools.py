@@ -1,6 +1,7 @@
-"""Tool calls in the Hermes/Qwen format: parse `<tool_call>{json}</tool_call>` from generated text,
-run the calls with an environment's tool functions, turn results into `tool` messages, and read the
-final `<answer>…</answer>`. Every failure becomes an error string that goes back to the model.
+"""Tool calls: parse the Hermes format `<tool_call>{json}</tool_call>` from generated text (other
+formats are in `toolcalls`), run the calls with an environment's tool functions, turn results into
+`tool` messages, and read the final `<answer>…</answer>`. Every failure becomes an error string that
+goes back to the model.
 """
 
 from __future__ import annotations
@@ -63,20 +64,29 @@ def _parse_tool_call_body(body: str) -> ToolCall:
         payload = json.loads(body)
     except json.JSONDecodeError as error:
         return ToolCall(raw=body, parse_error=f"tool call is not valid JSON ({error.msg})")
+    return tool_call_from_payload(payload, body)
+
+
+def tool_call_from_payload(payload: object, raw: str, arguments_key: str = "arguments") -> ToolCall:
+    """The call a decoded JSON object `{"name": …, "arguments": {…}}` stands for (arguments may
+    also be a JSON string of an object), or why it is not one; `raw` is the text it came from
+    and `arguments_key` the key that holds the arguments in this format."""
     if not isinstance(payload, dict):
-        return ToolCall(raw=body, parse_error="tool call must be a JSON object")
+        return ToolCall(raw=raw, parse_error="tool call must be a JSON object")
     name = payload.get("name")
     if not isinstance(name, str) or not name:
-        return ToolCall(raw=body, parse_error='tool call needs a string "name"')
-    arguments = payload.get("arguments", {})
+        return ToolCall(raw=raw, parse_error='tool call needs a string "name"')
+    arguments = payload.get(arguments_key, {})
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
-            return ToolCall(raw=body, name=name, parse_error='"arguments" is not a JSON object')
+            message = f'"{arguments_key}" is not a JSON object'
+            return ToolCall(raw=raw, name=name, parse_error=message)
     if not isinstance(arguments, dict):
-        return ToolCall(raw=body, name=name, parse_error='"arguments" must be a JSON object')
-    return ToolCall(raw=body, name=name, arguments=arguments)
+        message = f'"{arguments_key}" must be a JSON object'
+        return ToolCall(raw=raw, name=name, parse_error=message)
+    return ToolCall(raw=raw, name=name, arguments=arguments)
 
 
 def _argument_error(function: Callable[..., Any], arguments: dict[str, Any]) -> str | None:

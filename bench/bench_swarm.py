@@ -373,8 +373,14 @@ def plot(arms: dict[str, Arm], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, len(DOMAINS), figsize=(4.2 * len(DOMAINS), 3.6), sharey=True)
+    last = max(max(arm.rounds) for arm in arms.values())
     for axis, domain in zip(axes, DOMAINS, strict=True):
-        for name in ARMS:
+        base = arms["base"].rounds[0][domain]
+        axis.axhline(100 * base["success_rate"], color="grey", linestyle="--", label="base")
+        axis.axhspan(
+            100 * base["success_low"], 100 * base["success_high"], color="grey", alpha=0.08
+        )
+        for name in ARMS[1:]:
             rounds = sorted(arms[name].rounds)
             rows = [arms[name].rounds[r][domain] for r in rounds]
             rate = [100 * row["success_rate"] for row in rows]
@@ -387,6 +393,7 @@ def plot(arms: dict[str, Arm], path: Path) -> None:
             )
         axis.set_title(domain)
         axis.set_xlabel("round")
+        axis.set_xticks(range(last + 1))
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("held-out success (%)")
     axes[-1].legend(loc="lower right")

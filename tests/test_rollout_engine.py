@@ -296,14 +296,14 @@ def test_engine_refuses_bad_settings(tokenizer) -> None:
         RolloutEngine(backend, env).play([_task("a", "b", "<answer>b</answer>")], temperature=0)
 
 
-def test_vllm_backend_is_imported_lazily_and_refuses_clearly_without_a_gpu(tmp_path) -> None:
+def test_vllm_backend_is_imported_lazily_and_refuses_clearly_without_vllm(tmp_path) -> None:
     import importlib.util
     import sys
 
     from skillswarm.agent.inference_vllm import VLLMBackend, VLLMUnavailableError
 
     assert "vllm" not in sys.modules or importlib.util.find_spec("vllm") is not None
-    if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
+    if importlib.util.find_spec("vllm") is None:
         with pytest.raises(VLLMUnavailableError, match="gpu"):
             VLLMBackend(tmp_path)
 

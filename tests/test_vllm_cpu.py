@@ -141,7 +141,6 @@ def test_rollout_engine_plays_the_same_tool_calling_episodes_as_with_hf(
     played = _play(vllm_backend, domain, greedy=True)
     reference = _play(HFBackend(model, tokenizer), domain, greedy=True)
     assert sum(episode.num_tool_calls for episode in played) >= len(played)
-    assert any(episode.num_turns >= 3 for episode in played) or domain == "math"
     assert all(episode.num_turns >= 2 for episode in played)
     for mine, theirs in zip(played, reference, strict=True):
         assert mine.messages == theirs.messages
