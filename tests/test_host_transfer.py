@@ -516,6 +516,41 @@ def test_a_partial_download_resumes_where_it_stopped_and_a_failed_write_leaves_a
     assert partial.commit().read_bytes() == data
 
 
+def test_a_partial_download_syncs_beside_the_appends_and_close_waits_for_the_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from skillswarm.protocol import partial as partial_module
+
+    data = os.urandom(5 << 20)
+    sha256 = hashlib.sha256(data).hexdigest()
+    store = BlobStore(tmp_path / "blobs")
+    started, release, synced = threading.Event(), threading.Event(), []
+
+    def slow_sync(fd: int) -> None:  # a disk whose writeback takes a while
+        started.set()
+        release.wait(10)
+        synced.append(fd)
+
+    monkeypatch.setattr(partial_module, "SYNC_EVERY_BYTES", 1 << 20)
+    monkeypatch.setattr(partial_module, "_sync_data", slow_sync)
+    download = PartialDownload(store, sha256)
+    download.append(data[: 1 << 20])  # the first MiB asks for a sync...
+    assert started.wait(10)
+    for offset in range(1 << 20, len(data), 1 << 20):  # ...and appending goes on meanwhile
+        download.append(data[offset : offset + (1 << 20)])
+    assert download.have == len(data) and not synced  # one sync at a time, still running
+    closer = threading.Thread(target=download.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # close waits for the sync before closing the file
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive() and len(synced) == 1
+    assert PartialDownload(store, sha256).commit().read_bytes() == data
+
+
 def test_wire_frames_are_bounded_and_checked() -> None:
     class Chunks:
         def __init__(self, data: bytes) -> None:
