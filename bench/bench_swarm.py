@@ -17,7 +17,8 @@ swarm's retention (swarm − base) / (expert − base) and swarm − mixed. Writ
 per domain per round for every arm) and `results.json` into --out.
 
 Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=30,code=8,search=10]
-[--eval-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm]`. Without --base it uses the
+[--eval-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm] [--outer-lr 1]
+[--outer-momentum 0]`. Without --base it uses the
 embedded base shipped in the package (`skillswarm bootstrap` rebuilds one). `--help` prints the
 step budget of each arm. Exits 1 when, after the last round, the published model does not beat
 the base by --min-gain points with the paired interval above zero on every domain.
@@ -44,7 +45,7 @@ from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, scores_row
 from skillswarm.coordinator.publication import publication_decision
 from skillswarm.coordinator.rounds import candidate_validation, merge_candidates
-from skillswarm.merge.outer import OuterOptimizer
+from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
 from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.node.pipeline import AsyncRLRun
@@ -131,6 +132,7 @@ class Bench:
                 seed=args.eval_seed,
                 experts="own",
             ),
+            outer=OuterOptimizerConfig(learning_rate=args.outer_lr, momentum=args.outer_momentum),
         )
         self.evaluator = Evaluator(self.config.eval)
         self.outer = OuterOptimizer(self.out / "coordinator" / "outer", self.config.outer)
@@ -174,6 +176,10 @@ class Bench:
         swarm_dir = base_dir
         for number in range(1, args.rounds + 1):
             swarm_dir = self.swarm_round(number, swarm_dir)
+            if args.swarm_only:
+                self.print_round(number)
+                self.write_results()
+                continue
             for index, domain in enumerate(DOMAINS):
                 self.log(f"round {number}: {domain} expert, {args.steps[domain]} steps")
                 model, tokenizer = experts[domain]
@@ -422,6 +428,22 @@ def main() -> int:
     parser.add_argument("--min-gain", type=float, default=15.0, help="points the swarm must gain")
     parser.add_argument("--base", type=Path, help="base model folder (default: the shipped one)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-swarm"))
+    parser.add_argument(
+        "--swarm-only",
+        action="store_true",
+        help="run the swarm arm alone, the other arms left at the base (to compare the "
+        "coordinator's settings between runs)",
+    )
+    parser.add_argument(
+        "--outer-lr", type=float, default=1.0, help="the outer optimizer's learning rate"
+    )
+    parser.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=0.0,
+        help="the outer optimizer's Nesterov momentum (default 0 with lr 1: the coordinator's "
+        "default, the merge published as it is)",
+    )
     args = parser.parse_args()
     if args.rounds < 1 or args.eval_tasks < 1:
         parser.error("--rounds and --eval-tasks must be at least 1")

@@ -258,6 +258,11 @@ def plot_reward_curves(
         if len(runs) > 1:
             axis.legend(loc="best", fontsize="small")
     figure.suptitle(title)
+    return write_figure_png(figure, out_png)
+
+
+def write_figure_png(figure: Any, out_png: Path) -> Path:
+    """Write a matplotlib figure to `out_png` atomically (its folder made if need be)."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
     out_png = Path(out_png)

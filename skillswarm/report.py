@@ -6,13 +6,12 @@ as PNGs, the rounds, and where the checkpoints and logs are."""
 from __future__ import annotations
 
 import html
-import io
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from skillswarm.node.metrics import plot_reward_curves, read_metrics
+from skillswarm.node.metrics import plot_reward_curves, read_metrics, write_figure_png
 from skillswarm.protocol.durable import write_bytes_atomically
 
 LEAD_PNG = "published-progress.png"
@@ -259,12 +258,7 @@ def plot_published_progress(rounds: Sequence[Mapping[str, Any]], out_png: Path) 
         axis.grid(alpha=0.3)
     axes[0].legend(loc="best", fontsize="x-small")
     figure.suptitle("Held-out success per round (bars and band: 95% intervals)")
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomically(out_png, buffer.getvalue())
-    return out_png
+    return write_figure_png(figure, out_png)
 
 
 def plot_node_curves(node_dirs: Mapping[str, Path], out_dir: Path) -> list[Path]:
