@@ -166,20 +166,18 @@ class Rounds:
         """A round left "merging" by a crash: record it if its checkpoint reached the registry
         (publication is atomic), else reopen it so that it merges again. The outer optimizer's
         pending state is kept if its checkpoint was published, else dropped."""
-        self.outer.recover(self._published_for)
+        self.outer.recover(
+            lambda number, parent: getattr(self._published_checkpoint(number, parent), "id", None)
+        )
         with self.store.session() as s:
             last = s.scalars(select(RoundRecord).order_by(RoundRecord.number.desc())).first()
             if last is None or last.status != RoundStatus.MERGING:
                 return
             number, base_id = last.number, last.base_id
-        published = [
-            info
-            for info in self.registry.list()
-            if info.round == number and info.parent == base_id and not info.retired
-        ]
-        if published:
+        published = self._published_checkpoint(number, base_id)
+        if published is not None:
             log.info("round %d was published before the coordinator stopped; recording it", number)
-            self.record_published(number, published[-1])
+            self.record_published(number, published)
             return
         with self._state_lock, self.store.session() as s:
             row = s.get(RoundRecord, number)
@@ -188,12 +186,14 @@ class Rounds:
             row.status = RoundStatus.OPEN
         log.info("round %d's merge was cut short; it merges again once its policy is met", number)
 
-    def _published_for(self, number: int, parent: str) -> str | None:
-        """The id of the checkpoint published by round `number` on `parent`, if any."""
-        for info in self.registry.list():
-            if info.round == number and info.parent == parent and not info.retired:
-                return info.id
-        return None
+    def _published_checkpoint(self, number: int, parent: str) -> CheckpointInfo | None:
+        """The checkpoint round `number` published on `parent` (the latest, if several), if any."""
+        published = [
+            info
+            for info in self.registry.list()
+            if info.round == number and info.parent == parent and not info.retired
+        ]
+        return published[-1] if published else None
 
     def ensure_open_round(self) -> None:
         """Open the next round on `main` unless the last one is still open or merging."""
