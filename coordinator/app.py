@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse
 from skillswarm.coordinator.config import CoordinatorConfig
 from skillswarm.coordinator.dashboard import dashboard_router
@@ -29,6 +29,7 @@ from skillswarm.protocol.api import (
     CheckpointOut,
     DeltaOut,
     DeltaStatus,
+    FanoutOut,
     HealthOut,
     InfoOut,
     NodeOut,
@@ -116,6 +117,19 @@ def v1_router() -> APIRouter:
         with _coordinator(request).store.session() as s:
             rows = s.scalars(select(RoundRecord).order_by(RoundRecord.number))
             return [RoundOut.model_validate(r, from_attributes=True) for r in rows]
+
+    @router.get("/checkpoints/{revision}/fanout", response_model=FanoutOut)
+    def fanout(
+        request: Request,
+        revision: Annotated[str, Path(pattern=r"^[0-9a-f]{40}([0-9a-f]{24})?$")],
+        peer: Annotated[str | None, Query(max_length=128)] = None,
+    ) -> FanoutOut:
+        """The checkpoint as a signed delta from its parent and the peers to fetch it from
+        (`peer`: the asking node's PeerID, so it is not named to itself)."""
+        offer = _coordinator(request).fanout.offer(revision, peer)
+        if offer is None:
+            raise HTTPException(404, f"checkpoint {revision} is not fanned out as a delta")
+        return offer
 
     @router.get("/nodes", response_model=list[NodeOut])
     def nodes(request: Request) -> list[NodeOut]:

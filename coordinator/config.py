@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, FilePath, field_validator, mo
 from skillswarm.merge.methods import MergeSpec
 from skillswarm.merge.outer import OuterOptimizerConfig
 
+from skillswarm.tracking import TrackingConfig
+
 
 class RoundPolicy(BaseModel):
     """When a round's accepted deltas are merged: at a quorum, or at a deadline with a minimum."""
@@ -185,6 +187,32 @@ class MergePlan(MergeSpec):
         return unique
 
 
+class FanoutConfig(BaseModel):
+    """Merged checkpoints fanned out as deltas. Each published checkpoint is also packed as a
+    signed delta from its parent; nodes holding the parent fetch it from peers that already have
+    it. The coordinator hands its own copy to at most `seed_slots` nodes at a time, so its upload
+    per round stays about one delta whatever the number of nodes; the rest wait for a holder."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    seed_slots: int = Field(
+        default=1, ge=1, description="nodes fetching the delta from the coordinator at once"
+    )
+    seed_grant_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="how long a node may take to fetch from the coordinator before its slot "
+        "goes to another (it has died, say)",
+    )
+    holder_ttl_s: float = Field(
+        default=600.0, gt=0, description="a holder not heard from for this long is forgotten"
+    )
+    holders_per_answer: int = Field(
+        default=4, ge=1, le=16, description="holders named to a node, least asked first"
+    )
+
+
 class CoordinatorConfig(BaseModel):
     """Everything `skillswarm coordinator serve` needs."""
 
@@ -236,6 +264,14 @@ class CoordinatorConfig(BaseModel):
     outer: OuterOptimizerConfig = Field(
         default_factory=OuterOptimizerConfig,
         description="outer optimizer across rounds: the merged delta as a pseudo-gradient",
+    )
+    fanout: FanoutConfig = Field(
+        default_factory=lambda: FanoutConfig(),
+        description="merged checkpoints fanned out peer to peer as deltas from their parent",
+    )
+    tracking: TrackingConfig | None = Field(
+        default=None,
+        description="experiment tracking of each decided round's scores ([tracking]); unset: off",
     )
 
     @field_validator("merge", mode="before")

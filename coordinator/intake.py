@@ -42,6 +42,7 @@ from skillswarm.protocol.delta import DeltaError, DeltaReader
 from skillswarm.protocol.host import BlobFetchError, SwarmHost
 from skillswarm.protocol.manifest import DeltaManifest, ManifestError, SignedManifest
 from skillswarm.protocol.messages import (
+    CheckpointDeltaServed,
     DeltaAnnounced,
     MessageError,
     NodeHeartbeat,
@@ -138,6 +139,8 @@ class Intake:
                 return self.handle_announcement(from_peer, body)
             if isinstance(body, NodeHeartbeat):
                 self.record_heartbeat(from_peer, body)
+            if isinstance(body, CheckpointDeltaServed) and self.rounds.fanout is not None:
+                self.rounds.fanout.note_holder(from_peer, body)
         except Exception as exc:  # one bad message must not stop intake
             log.exception("error handling %s from %s", body.type, from_peer)
             self._note_refusal(from_peer, "failed", f"{type(exc).__name__}: {exc}")
@@ -447,6 +450,8 @@ class Intake:
             for row in rows:
                 if row.manifest is not None:
                     keep.update(_listed_blobs(row.manifest))
+        if self.rounds.fanout is not None:
+            keep |= self.rounds.fanout.kept_blobs()
         return keep
 
 

@@ -39,6 +39,9 @@ COORDINATOR_METRIC_HELP = {
     "gossip_refused_unknown_total": "Gossip of a type or version this coordinator does not speak.",
     "gossip_refused_failed_total": "Gossip whose handling failed, recorded against its sender.",
     "intake_errors_total": "Intake passes that failed and were gone past.",
+    "fanout_holders": "Nodes serving the current checkpoint's delta to their peers.",
+    "fanout_seed_grants_total": "Times the coordinator named itself as a node's delta source.",
+    "blob_bytes_served_total": "Blob bytes this coordinator sent to peers (checkpoint deltas).",
 }
 
 _INVALID_NAME_CHARACTERS = re.compile(r"[^a-zA-Z0-9_:]")

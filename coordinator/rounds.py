@@ -16,6 +16,7 @@ from typing import Any
 
 from skillswarm.coordinator.config import CoordinatorConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, expert_label, mean_reward
+from skillswarm.coordinator.fanout import Fanout
 from skillswarm.coordinator.publication import publication_decision
 from skillswarm.coordinator.registry import CheckpointInfo, Registry, RevisionNotFound
 from skillswarm.coordinator.store import (
@@ -37,6 +38,8 @@ from skillswarm.protocol.manifest import DeltaManifest
 from skillswarm.protocol.messages import CheckpointPublished, encode_message
 from sqlalchemy import select
 
+from skillswarm.tracking import Tracker
+
 __all__ = [
     "MERGE_WORK_PREFIX",
     "MissingBaseCheckpoint",
@@ -45,6 +48,7 @@ __all__ = [
     "candidate_validation",
     "merge_candidates",
     "round_dict",
+    "round_scores",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,7 +72,8 @@ class Rounds:
 
     `_state_lock` guards changes of a round's status (and admitting a delta into the open round,
     see `record_if_open`); `_merge_lock` lets one merge (or retirement) run at a time and is only
-    ever tried, never waited for.
+    ever tried, never waited for. With a `tracker`, each decided round's scores are logged to
+    it at step = the round's number (`round_scores`).
     """
 
     def __init__(
@@ -79,13 +84,17 @@ class Rounds:
         blobs: BlobStore,
         evaluator: Evaluator,
         publish_gossip: Callable[[bytes], object],
+        tracker: Tracker | None = None,
+        fanout: Fanout | None = None,
     ) -> None:
         self.config = config
+        self.tracker = tracker
         self.store = store
         self.registry = registry
         self.blobs = blobs
         self.evaluator = evaluator
         self._publish_gossip = publish_gossip
+        self.fanout = fanout
         self._state_lock = threading.RLock()
         self._merge_lock = threading.Lock()
         self.outer = OuterOptimizer(config.work_dir / "outer", config.outer)
@@ -355,6 +364,7 @@ class Rounds:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         self.outer.commit(info.id)
+        self.fan_out(info)  # before the round opens on it: nodes find its delta at once
         self.record_published(number, info)
         log.info("round %d published checkpoint %s (%s)", number, info.id[:12], decision.reason)
         self._announce_checkpoint(info, number, base_id)
@@ -385,6 +395,8 @@ class Rounds:
                         "held",
                     )
             s.add(RoundRecord(number=number + 1, base_id=base_id, status=RoundStatus.OPEN))
+        if self.tracker is not None:
+            self.tracker.log(round_scores(RoundStatus.HELD, extra), step=number)
 
     def record_published(self, number: int, info: CheckpointInfo) -> None:
         """Record round `number` as published by `info` (whose extra holds the round's results)
@@ -419,6 +431,18 @@ class Rounds:
                 )
             )
             s.add(RoundRecord(number=number + 1, base_id=info.id, status=RoundStatus.OPEN))
+        if self.tracker is not None:
+            self.tracker.log(round_scores(RoundStatus.PUBLISHED, extra), step=number)
+
+    def fan_out(self, info: CheckpointInfo) -> None:
+        """Pack and serve `info` as a delta from its parent; a failure is logged, and nodes
+        then pull the checkpoint whole from the registry."""
+        if self.fanout is None:
+            return
+        try:
+            self.fanout.publish(info)
+        except Exception:
+            log.exception("checkpoint %s will not be fanned out as a delta", info.id[:12])
 
     def _announce_checkpoint(self, info: CheckpointInfo, number: int, parent: str) -> None:
         try:
@@ -570,6 +594,37 @@ def round_dict(row: RoundRecord) -> dict[str, Any]:
         "started_at": row.started_at,
         "finished_at": row.finished_at,
     }
+
+
+def round_scores(status: str, extra: Mapping[str, Any]) -> dict[str, float]:
+    """A decided round's numbers for a tracker, from its record's `extra`: published (1) or
+    held (0), deltas merged and merge time; `{model}/{domain}/{score}` of the base, each
+    expert (`expert-{domain}-{delta id}`) and the merge: mean reward, success rate and its
+    interval; each candidate's validation score; and `decision/{domain}/…`, the paired
+    difference merge − base."""
+    scores: dict[str, float] = {
+        "round/published": float(status == RoundStatus.PUBLISHED),
+        "round/deltas": float(len(extra.get("inputs") or [])),
+    }
+    if isinstance(extra.get("merge_seconds"), int | float):
+        scores["round/merge_seconds"] = float(extra["merge_seconds"])
+    for label, by_domain in (extra.get("evaluation") or {}).items():
+        model = label.replace(":", "-")  # TensorBoard's tags keep no colons
+        for domain, row in by_domain.items():
+            for key in ("mean_reward", "success_rate", "success_low", "success_high"):
+                if isinstance(row.get(key), int | float):
+                    scores[f"{model}/{domain}/{key}"] = float(row[key])
+    for index, candidate in enumerate(extra.get("candidates") or []):
+        name = f"candidate/{index}-{candidate.get('spec', {}).get('method', '?')}"
+        if isinstance(candidate.get("score"), int | float):
+            scores[f"{name}/validation_score"] = float(candidate["score"])
+        scores[f"{name}/chosen"] = float(bool(candidate.get("chosen")))
+    comparisons = (extra.get("decision") or {}).get("comparisons") or {}
+    for domain, comparison in comparisons.items():
+        for key in ("mean", "low", "high", "p_worse"):
+            if isinstance(comparison.get(key), int | float):
+                scores[f"decision/{domain}/{key}"] = float(comparison[key])
+    return scores
 
 
 def _reader_of(record: DeltaRecord, blobs: BlobStore) -> DeltaReader:

@@ -17,6 +17,7 @@ import torch
 from pydantic import ValidationError
 from skillswarm.coordinator.config import CoordinatorConfig, MergePlan
 from skillswarm.coordinator.evaluation import DomainScores, Evaluator
+from skillswarm.coordinator.fanout import Fanout
 from skillswarm.coordinator.gates import REJECTION_KINDS
 from skillswarm.coordinator.intake import GATE_WORK_PREFIX, GOSSIP_REFUSAL_KINDS, Intake
 from skillswarm.coordinator.registry import CheckpointInfo, Registry
@@ -42,6 +43,8 @@ from skillswarm.protocol.identity import (
 )
 from skillswarm.protocol.messages import DeltaAnnounced, NodeHeartbeat
 from sqlalchemy import func, select
+
+from skillswarm.tracking import Tracker, open_tracker
 
 __all__ = ["Coordinator", "MissingBaseCheckpoint", "probe_merge_spec"]
 
@@ -79,8 +82,32 @@ class Coordinator:
             max_blob_bytes=config.max_blob_bytes,
         )
         self.evaluator = Evaluator(self.config.eval)
+        self.tracker: Tracker | None = None
+        if config.tracking is not None:  # the database URL may hold a password: not sent
+            self.tracker = open_tracker(
+                config.tracking,
+                run_name="coordinator",
+                default_dir=config.work_dir / "tracking",
+                run_config=self.config.model_dump(mode="json", exclude={"database_url"}),
+            )
+        self.fanout = Fanout(
+            self.config.fanout,
+            config.work_dir / "fanout",
+            self.registry,
+            self.blobs,
+            self.key_pair,
+            self.host,
+            self.advertised_addrs,
+        )
         self.rounds = Rounds(
-            self.config, self.store, self.registry, self.blobs, self.evaluator, self.host.publish
+            self.config,
+            self.store,
+            self.registry,
+            self.blobs,
+            self.evaluator,
+            self.host.publish,
+            tracker=self.tracker,
+            fanout=self.fanout,
         )
         self.intake = Intake(
             self.config,
@@ -104,6 +131,7 @@ class Coordinator:
         self.rounds.ensure_base()
         self.rounds.recover_interrupted_round()
         self.rounds.ensure_open_round()
+        self.rounds.fan_out(self.current_base())
 
     def start(self) -> None:
         """Prepare, start the libp2p host and the intake thread (which also merges a round whose
@@ -128,6 +156,8 @@ class Coordinator:
             self._thread = None
         self.host.stop()
         self.store.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
     def _intake_loop(self) -> None:
         """Gossip, merges due by the round policy and garbage collection, until stopped. An
@@ -400,6 +430,9 @@ class Coordinator:
             "nodes_seen": float(nodes_seen),
             "gossip_refused_access_total": float(self.intake.refused_by_access),
             "intake_errors_total": float(self.intake_errors),
+            "fanout_holders": float(self.fanout.holder_count()),
+            "fanout_seed_grants_total": float(self.fanout.seed_grants),
+            "blob_bytes_served_total": float(self.host.bytes_served),
         }
         for kind in GOSSIP_REFUSAL_KINDS:
             values[f"gossip_refused_{kind}_total"] = float(refused.get(kind, 0))

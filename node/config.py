@@ -6,9 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FilePath, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FilePath, field_validator, model_validator
+from skillswarm.agent.toolcalls import TOOL_CALL_FORMATS
 from skillswarm.node.pipeline import RLConfig
 from skillswarm.node.recipes import DOMAIN_RECIPES
+
+from skillswarm.tracking import TrackingConfig
 
 
 class InferenceConfig(BaseModel):
@@ -56,6 +59,21 @@ class NodeConfig(BaseModel):
     bootstrap_peers: list[str] = Field(
         default_factory=list, description="extra multiaddrs to dial besides the coordinator"
     )
+    p2p_announce_addrs: list[str] = Field(
+        default_factory=list,
+        description="multiaddrs other nodes dial to fetch what this node serves (behind NAT or "
+        "listening on 0.0.0.0); default: the listen addresses",
+    )
+    fanout: bool = Field(
+        default=True,
+        description="rebuild each merged checkpoint from its delta fetched from peers (and serve "
+        "it on) when this node holds the parent; off, or without the parent: pull it whole",
+    )
+    fanout_wait_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="how long to wait for the delta from peers before pulling whole",
+    )
     rounds: int = Field(default=1, ge=0, description="rounds to take part in; 0 means no end")
     seed: int = 0
     torch_threads: int = Field(default=1, ge=1)
@@ -82,6 +100,26 @@ class NodeConfig(BaseModel):
         "fields left out take the domain's recipe (node/recipes.py)",
     )
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    tool_call_format: str | None = Field(
+        default=None,
+        description="how the policy writes tool calls: "
+        + ", ".join(TOOL_CALL_FORMATS)
+        + "; unset: the one its chat template teaches (agent/toolcalls.py)",
+    )
+    tracking: TrackingConfig | None = Field(
+        default=None, description="experiment tracking ([tracking]); unset: off"
+    )
+
+    @field_validator("tool_call_format")
+    @classmethod
+    def _known_tool_call_format(cls, value: str | None) -> str | None:
+        if value is not None and value not in TOOL_CALL_FORMATS:
+            raise ValueError(
+                f"unknown tool-call format {value!r}; expected one of "
+                f"{', '.join(TOOL_CALL_FORMATS)}, or leave it unset to read it from the chat "
+                "template"
+            )
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -21,7 +21,9 @@ from typing import Any, TypeVar
 import httpx
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.node.config import NodeConfig
+from skillswarm.node.fanout import FanoutClient
 from skillswarm.node.health import HealthServer, NodeStatus
+from skillswarm.node.metrics import StepTracker, open_node_tracker
 from skillswarm.protocol.api import DeltaOut, DeltaStatus, InfoOut
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.delta import pack_delta
@@ -140,6 +142,8 @@ class NodeDaemon:
         self.host: SwarmHost | None = None
         self.status = NodeStatus(self.peer_id, config.domain)
         self._training: Any = None  # the AsyncRLRun in progress, if any
+        self.fanout: FanoutClient | None = None  # while running, unless fan-out is off
+        self._tracker: StepTracker | None = None  # while running, when [tracking] is set
 
     def stop(self) -> None:
         """End the daemon: a training step in progress finishes and is checkpointed (the next
@@ -170,12 +174,29 @@ class NodeDaemon:
         log.info(
             "node %s (%s) listening on %s", self.peer_id, self.config.domain, self.host.listen_addrs
         )
+        if self.config.fanout:
+            self.fanout = FanoutClient(
+                self.host,
+                self.config.coordinator_url,
+                self.config.work_dir / "checkpoints",
+                self.config.work_dir / "fanout",
+                wait_s=self.config.fanout_wait_s,
+                announce_addrs=self.config.p2p_announce_addrs,
+                stop=self._stop,
+            )
         health = None
         if self.config.health_port is not None:
             health = HealthServer(
                 self.status, self.config.health_host, self.config.health_port
             ).start()
         try:
+            self._tracker = open_node_tracker(
+                self.config.tracking,
+                domain=self.config.domain,
+                peer_id=self.peer_id,
+                work_dir=self.config.work_dir,
+                run_config=self.config.model_dump(mode="json"),
+            )
             self._connect(info)
             results = []
             done = 0
@@ -193,6 +214,8 @@ class NodeDaemon:
             return results
         finally:
             self.status.update(phase="stopped")
+            if self._tracker is not None:
+                self._tracker.close()
             if health is not None:
                 health.stop()
             self.host.stop()
@@ -258,16 +281,17 @@ class NodeDaemon:
         number, base_id, revision = info.round, info.base_id, info.base_revision
         self._keep_connected(info.multiaddrs)  # the coordinator may listen elsewhere now
         kept = self._kept_delta(base_id, number)
+        self.status.update(phase="pulling", round=number, step=0)
+        base_dir = self.config.work_dir / "checkpoints" / revision
+        if not self._obtain_base(info, base_dir):
+            return None
+        # Only now: the last round's base is the parent a fanned-out delta is rebuilt on.
         self._collect_garbage(
             keep_checkpoint=revision,
-            keep_blobs=set(kept.verify().blobs) if kept is not None else set(),
+            keep_blobs=(set(kept.verify().blobs) if kept is not None else set())
+            | (self.fanout.kept_blobs() if self.fanout is not None else set()),
             keep_training=self._training_dir(base_id, number).name,
         )
-        self.status.update(phase="pulling", round=number, step=0)
-        log.info("round=%d pulling base %s", number, base_id[:12])
-        base_dir = self.config.work_dir / "checkpoints" / revision
-        if not self._pull_base(revision, base_dir, info.repo_id):
-            return None
         if kept is None:
             trained = self._train(number, base_id, base_dir)
             if trained is None:
@@ -333,6 +357,16 @@ class NodeDaemon:
             self._stop.wait(2.0)
         return False, None
 
+    def _obtain_base(self, info: InfoOut, base_dir: Path) -> bool:
+        """The round's base in `base_dir`: rebuilt from its delta fetched from peers when this
+        node holds the parent, else pulled whole from the registry; False when stopped first."""
+        if self.fanout is not None and self.fanout.rebase(info, base_dir):
+            return True
+        if self._stop.is_set():
+            return False
+        log.info("round=%d pulling base %s", info.round, info.base_id[:12])
+        return self._pull_base(info.base_revision, base_dir, info.repo_id)
+
     def _pull_base(self, revision: str, base_dir: Path, repo_id: str) -> bool:
         """Pull the round's base from the registry, resuming across a coordinator that stops
         answering meanwhile (a pull keeps what it has and goes on from there); False when the
@@ -395,6 +429,8 @@ class NodeDaemon:
             backend=self._inference_backend(base_dir, model, tokenizer),
             on_step=on_step,
             metrics_path=self.config.work_dir / "metrics" / f"round-{number}.jsonl",
+            tracker=self._tracker.for_round(number, train.steps) if self._tracker else None,
+            tool_call_format=self.config.tool_call_format,
             checkpoint_dir=self._training_dir(base_id, number) if train.checkpoint_every else None,
         )
         self._training = run
@@ -464,6 +500,8 @@ class NodeDaemon:
         """Tell the swarm this node is alive and how far it is (best effort)."""
         if self.host is None:
             return
+        if self.fanout is not None:
+            self.fanout.announce()
         finite = reward if reward is not None and math.isfinite(reward) else None
         message = NodeHeartbeat(
             domain=self.config.domain, round=round_number, step=step, reward=finite

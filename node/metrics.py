@@ -1,5 +1,6 @@
 """Run metrics of the RL trainer: an append-only JSONL log that survives kill -9, a histogram of
-sample staleness, reward-curve plots (PNG) and a terminal progress bar.
+sample staleness, reward-curve plots (PNG), a terminal progress bar, and the step metrics and
+sample episodes sent to an experiment tracker (skillswarm.tracking).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import (
@@ -26,6 +28,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from skillswarm.protocol.durable import write_bytes_atomically
+
+from skillswarm.tracking import Tracker, TrackingConfig, open_tracker
+
+if TYPE_CHECKING:
+    from skillswarm.agent.rollout import Episode
 
 MetricRecord = dict[str, Any]
 RunRecords = Sequence[MetricRecord] | str | os.PathLike[str]
@@ -363,3 +370,103 @@ def _finite_or_none(value: Any) -> float | None:
 
 def _shown(value: float | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
+
+
+EPISODE_COLUMNS = (
+    "task",
+    "prompt",
+    "completion",
+    "reward",
+    "success",
+    "turns",
+    "tool_calls",
+    "finish_reason",
+)
+
+
+def _cut(text: str, max_chars: int) -> str:
+    return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
+
+
+def episode_rows(episodes: Sequence[Episode], limit: int, max_chars: int = 1000) -> list[list[Any]]:
+    """The first `limit` episodes as rows of EPISODE_COLUMNS: the task's prompt and what followed
+    it (each message as `[role] content`), each cut to `max_chars`."""
+    rows: list[list[Any]] = []
+    for episode in episodes[:limit]:
+        first = next(
+            (i for i, m in enumerate(episode.messages) if m.get("role") == "assistant"),
+            len(episode.messages),
+        )
+        completion = "\n".join(
+            f"[{message.get('role', '?')}] {message.get('content') or ''}"
+            for message in episode.messages[first:]
+        )
+        rows.append(
+            [
+                episode.task.id,
+                _cut(episode.task.prompt, max_chars),
+                _cut(completion, max_chars),
+                float(episode.reward),
+                bool(episode.success),
+                episode.num_turns,
+                episode.num_tool_calls,
+                episode.finish_reason,
+            ]
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class StepTracker:
+    """A node's training steps in its tracking run: each step's metrics, and every `table_every`
+    steps a table ("episodes") of the step's first `table_rows` episodes. Steps count on across
+    rounds: round r's step s is logged at (r - 1) × steps_per_round + s, with `round` among the
+    metrics."""
+
+    tracker: Tracker
+    table_every: int = 1
+    table_rows: int = 4
+    max_chars: int = 1000
+    round_number: int = 0
+    steps_per_round: int = 0
+
+    def for_round(self, number: int, steps_per_round: int) -> StepTracker:
+        """This tracker, logging round `number`'s steps."""
+        return replace(self, round_number=number, steps_per_round=steps_per_round)
+
+    def tracker_step(self, step: int) -> int:
+        return max(self.round_number - 1, 0) * self.steps_per_round + step
+
+    def record(self, step: int, metrics: Mapping[str, Any], episodes: Sequence[Episode]) -> None:
+        """Send step `step` (0-based, within the round) of the run; never raises for a backend."""
+        at = self.tracker_step(step)
+        extra = {"round": self.round_number} if self.round_number else {}
+        self.tracker.log({**metrics, **extra}, at)
+        if self.table_every and step % self.table_every == 0 and episodes:
+            rows = episode_rows(episodes, self.table_rows, self.max_chars)
+            self.tracker.log_table("episodes", EPISODE_COLUMNS, rows, at)
+
+    def close(self) -> None:
+        self.tracker.close()
+
+
+def open_node_tracker(
+    config: TrackingConfig | None,
+    *,
+    domain: str,
+    peer_id: str,
+    work_dir: Path,
+    run_config: Mapping[str, Any],
+) -> StepTracker | None:
+    """A node's tracking run as its [tracking] table says (None without one): named
+    {domain}-node-{the peer id's last 8 characters} unless `run_name` is set, written under
+    work_dir/tracking unless `dir` is, with the node's settings `run_config`."""
+    if config is None:
+        return None
+    tracker = open_tracker(
+        config,
+        run_name=f"{domain}-node-{peer_id[-8:]}",
+        default_dir=Path(work_dir) / "tracking",
+        run_config=run_config,
+    )
+    return StepTracker(tracker, config.table_every, config.table_rows, config.max_chars)

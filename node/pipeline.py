@@ -42,7 +42,7 @@ from skillswarm.node.checkpointing import (
     save_training_checkpoint,
 )
 from skillswarm.node.loss import LossConfig
-from skillswarm.node.metrics import MetricsLogger, StalenessHistogram, read_metrics
+from skillswarm.node.metrics import MetricsLogger, StalenessHistogram, StepTracker, read_metrics
 from skillswarm.node.train import PolicyGradientTrainer
 from skillswarm.protocol.durable import write_bytes_atomically
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -244,7 +244,9 @@ class RolloutProducer(threading.Thread):
 class AsyncRLRun:
     """A node's RL run: a trainer, a behaviour copy of the policy behind an inference backend,
     and the producer thread between them. `run()` trains `config.steps` steps (continuing from
-    the last checkpoint in `checkpoint_dir` when there is one) and returns each step's metrics."""
+    the last checkpoint in `checkpoint_dir` when there is one) and returns each step's metrics;
+    each step's metrics also go to `metrics_path` (JSONL) and `tracker` when given.
+    `tool_call_format` names the rollouts' tool-call format (None: the chat template's)."""
 
     def __init__(
         self,
@@ -258,6 +260,8 @@ class AsyncRLRun:
         backend: InferenceBackend | None = None,
         on_step: StepCallback | None = None,
         reference_model: PreTrainedModel | None = None,
+        tracker: StepTracker | None = None,
+        tool_call_format: str | None = None,
     ) -> None:
         if config.checkpoint_every and checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
@@ -269,6 +273,8 @@ class AsyncRLRun:
         self.checkpoint_dir = checkpoint_dir
         self.metrics_path = metrics_path
         self.on_step = on_step
+        self.tracker = tracker
+        self.tool_call_format = tool_call_format
         self.trainer = PolicyGradientTrainer(
             model,
             tokenizer,
@@ -287,6 +293,16 @@ class AsyncRLRun:
     def request_stop(self) -> None:
         """Finish the step in progress, write a checkpoint, and return from `run()`."""
         self.stop_requested.set()
+
+    def rollout_engine(self) -> RolloutEngine:
+        """A rollout engine on this run's backend and environment, as the producers play with."""
+        return RolloutEngine(
+            self.backend,
+            self.env,
+            max_new_tokens=self.config.max_new_tokens,
+            context_policy=self.config.context_policy,
+            tool_call_format=self.tool_call_format,
+        )
 
     def _push_weights(self, version: int) -> None:
         self.backend.update_weights(
@@ -332,12 +348,7 @@ class AsyncRLRun:
         counter = _ChunkCounter(next_chunk)
         producers = [
             RolloutProducer(
-                RolloutEngine(
-                    self.backend,
-                    self.env,
-                    max_new_tokens=config.max_new_tokens,
-                    context_policy=config.context_policy,
-                ),
+                self.rollout_engine(),
                 self.env,
                 config,
                 counter,
@@ -400,6 +411,8 @@ class AsyncRLRun:
                 history.append(metrics)
                 if metrics_log is not None:
                     metrics_log.log(step, metrics)
+                if self.tracker is not None:
+                    self.tracker.record(step, metrics, chunk.episodes)
                 if self.on_step is not None:
                     self.on_step(metrics)
                 step += 1

@@ -14,6 +14,8 @@ __all__ = [
     "CheckpointOut",
     "DeltaOut",
     "DeltaStatus",
+    "FanoutHolder",
+    "FanoutOut",
     "HealthOut",
     "InfoOut",
     "MergekitYamlBody",
@@ -134,6 +136,31 @@ class RoundOut(BaseModel):
     @classmethod
     def _none_is_no_candidates(cls, value: Any) -> Any:
         return [] if value is None else value
+
+
+class FanoutHolder(BaseModel):
+    """A peer that serves a checkpoint delta's blobs, and where to dial it."""
+
+    peer_id: str = Field(max_length=128)
+    multiaddrs: list[str] = Field(max_length=8)
+
+
+class FanoutOut(BaseModel):
+    """A merged checkpoint as a signed delta from its parent (`manifest`: the checkpoint delta's
+    msgpack bytes, `signature`: the coordinator's over them), and where to fetch its blobs:
+    `holders` in the order to try them (the coordinator itself only while it hands this node one
+    of its seed slots). With no holder yet, ask again after `retry_after_s`. Bytes travel as
+    base64 in JSON."""
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+
+    checkpoint_id: str
+    base_id: str
+    download_size: int
+    manifest: bytes
+    signature: bytes
+    holders: list[FanoutHolder] = Field(max_length=32)
+    retry_after_s: float | None = None
 
 
 class CheckpointOut(BaseModel):

@@ -93,27 +93,12 @@ class DeltaManifest(BaseModel):
         """Each blob is exactly its tensors' payloads, back to back from offset 0 (as pack_delta
         writes it): no listed blob, and no byte of one, is left for a peer to fill with anything
         else, so a delta's download is bounded by the tensors it changes."""
-        entries: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+        ranges: list[tuple[str, int, int, str]] = []
         for name, entry in self.tensors.items():
-            if entry.blob not in self.blobs:
-                raise ValueError(f"tensor {name} points at blob {entry.blob[:12]}, not listed")
             if entry.encoding == "int8" and not self.lossy:
                 raise ValueError(f"tensor {name} is int8-encoded but the manifest is not lossy")
-            entries[entry.blob].append((entry.offset, entry.length, name))
-        for sha, size in self.blobs.items():
-            end = 0
-            for offset, length, name in sorted(entries.get(sha, [])):
-                if offset != end:
-                    raise ValueError(
-                        f"tensor {name} starts at byte {offset} of blob {sha[:12]}, not at {end}"
-                    )
-                end += length
-            if size != end:
-                raise ValueError(
-                    f"blob {sha[:12]} is listed as {size} bytes but its tensors take {end}"
-                )
-            if sha not in entries and sha != EMPTY_BLOB:
-                raise ValueError(f"blob {sha[:12]} is listed but no tensor is in it")
+            ranges.append((entry.blob, entry.offset, entry.length, f"tensor {name}"))
+        check_ranges_tile(self.blobs, ranges)
         return self
 
     def encode(self) -> bytes:
@@ -158,21 +143,48 @@ class SignedManifest(BaseModel):
         Raises ManifestError naming what failed; returns the manifest only when all hold.
         """
         manifest = DeltaManifest.decode(self.manifest_bytes)
-        try:
-            key_peer = identity.peer_id_from_public_key_bytes(manifest.public_key)
-        except identity.IdentityError as exc:
-            raise ManifestError(f"manifest carries an unusable public key: {exc}") from exc
-        if key_peer != manifest.peer_id:
-            raise ManifestError(
-                f"manifest claims peer {manifest.peer_id} but its key belongs to {key_peer}"
-            )
-        if not identity.verify(manifest.public_key, self.manifest_bytes, self.signature):
-            raise ManifestError(f"bad signature on manifest {self.manifest_id[:12]}")
+        check_signature(manifest.peer_id, manifest.public_key, self.manifest_bytes, self.signature)
         if announcing_peer is not None and announcing_peer != manifest.peer_id:
             raise ManifestError(
                 f"manifest signed by {manifest.peer_id} was announced by {announcing_peer}"
             )
         return manifest
+
+
+def check_ranges_tile(blobs: dict[str, int], ranges: list[tuple[str, int, int, str]]) -> None:
+    """Each blob is exactly its ranges (blob, offset, length, what), back to back from offset 0:
+    no listed blob, and no byte of one, is left for a peer to fill with anything else. Only the
+    empty blob may be listed without a range. ValueError naming the first misfit."""
+    by_blob: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for blob, offset, length, what in ranges:
+        if blob not in blobs:
+            raise ValueError(f"{what} points at blob {blob[:12]}, not listed")
+        by_blob[blob].append((offset, length, what))
+    for sha, size in blobs.items():
+        end = 0
+        for offset, length, what in sorted(by_blob.get(sha, [])):
+            if offset != end:
+                raise ValueError(f"{what} starts at byte {offset} of blob {sha[:12]}, not at {end}")
+            end += length
+        if size != end:
+            raise ValueError(
+                f"blob {sha[:12]} is listed as {size} bytes but its contents take {end}"
+            )
+        if sha not in by_blob and sha != EMPTY_BLOB:
+            raise ValueError(f"blob {sha[:12]} is listed but nothing is in it")
+
+
+def check_signature(peer_id: str, public_key: bytes, raw: bytes, signature: bytes) -> None:
+    """Check that `public_key` belongs to `peer_id` and signed exactly `raw`; ManifestError
+    naming what failed otherwise."""
+    try:
+        key_peer = identity.peer_id_from_public_key_bytes(public_key)
+    except identity.IdentityError as exc:
+        raise ManifestError(f"manifest carries an unusable public key: {exc}") from exc
+    if key_peer != peer_id:
+        raise ManifestError(f"manifest claims peer {peer_id} but its key belongs to {key_peer}")
+    if not identity.verify(public_key, raw, signature):
+        raise ManifestError(f"bad signature on manifest {hashlib.sha256(raw).hexdigest()[:12]}")
 
 
 def sign_manifest(manifest: DeltaManifest, key_pair: KeyPair) -> SignedManifest:

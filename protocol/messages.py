@@ -6,7 +6,7 @@ Every message is size-bounded and validated before use; unknown types or version
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -59,11 +59,22 @@ class NodeHeartbeat(BaseModel):
     reward: float | None = None
 
 
-GossipBody = DeltaAnnounced | CheckpointPublished | NodeHeartbeat
+class CheckpointDeltaServed(BaseModel):
+    """A node rebuilt a checkpoint from its fan-out delta and serves that delta's blobs, at
+    these addresses, to peers that still hold the parent."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    type: Literal["checkpoint_delta_served"] = "checkpoint_delta_served"
+    checkpoint_id: str = Field(pattern=r"^[0-9a-f]{64}$")
+    multiaddrs: list[Annotated[str, Field(max_length=256)]] = Field(max_length=8)
+
+
+GossipBody = DeltaAnnounced | CheckpointPublished | NodeHeartbeat | CheckpointDeltaServed
 _TYPES: dict[str, type[BaseModel]] = {
     "delta_announced": DeltaAnnounced,
     "checkpoint_published": CheckpointPublished,
     "node_heartbeat": NodeHeartbeat,
+    "checkpoint_delta_served": CheckpointDeltaServed,
 }
 
 

@@ -217,7 +217,7 @@ def test_delta_against_wrong_base_or_with_nan_refused(tmp_path, coordinator):
         _announce(peer, inflated)
         record = _wait_record(c, inflated.manifest_id)
         assert (record.status, record.rejection_kind) == ("rejected", "signature")
-        assert f"listed as {size + 1} bytes but its tensors take {size}" in record.reason
+        assert f"listed as {size + 1} bytes but its contents take {size}" in record.reason
         assert peer.bytes_served == served_before and not c.blobs.has(sha)
     finally:
         peer.stop()

@@ -122,8 +122,8 @@ def test_manifest_bounds_every_byte_a_peer_would_be_asked_for(tmp_path, keys):
 
     refused("greater than or equal to 0", blobs={sha: -5})
     refused(f"listed as {size + 1} bytes", blobs={sha: size + 1})
-    refused("listed as 10 bytes but its tensors take 0", blobs={sha: size, "cd" * 32: 10})
-    refused("listed but no tensor is in it", blobs={sha: size, "cd" * 32: 0})
+    refused("listed as 10 bytes but its contents take 0", blobs={sha: size, "cd" * 32: 10})
+    refused("listed but nothing is in it", blobs={sha: size, "cd" * 32: 0})
     refused("String should match pattern", blobs={sha: size, "../x": 0})
     refused("not listed", blobs={"cd" * 32: size})
     refused(
