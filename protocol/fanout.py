@@ -59,6 +59,7 @@ from skillswarm.protocol.manifest import (
     TensorEntry,
     check_ranges_tile,
     check_signature,
+    decode_bounded,
 )
 
 FANOUT_SCHEMA = "skillswarm.checkpoint-delta/1"
@@ -166,24 +167,9 @@ class CheckpointDelta(BaseModel):
 
     @classmethod
     def decode(cls, raw: bytes) -> CheckpointDelta:
-        if len(raw) > MAX_FANOUT_MANIFEST_BYTES:
-            raise ManifestError(
-                f"checkpoint delta is {len(raw)} bytes; the limit is {MAX_FANOUT_MANIFEST_BYTES}"
-            )
-        try:
-            data = msgpack.unpackb(
-                raw, raw=False, strict_map_key=True, max_map_len=MAX_TENSORS + 16
-            )
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(map(str, error['loc'])) or 'delta'}: "
-                f"{error['msg'].removeprefix('Value error, ')}"
-                for error in exc.errors()[:5]
-            )
-            raise ManifestError(f"malformed checkpoint delta: {problems}") from exc
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            raise ManifestError(f"malformed checkpoint delta: {exc}") from exc
+        return decode_bounded(
+            cls, raw, "checkpoint delta", MAX_FANOUT_MANIFEST_BYTES, MAX_TENSORS + 16
+        )
 
 
 class SignedCheckpointDelta(BaseModel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import defaultdict
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgpack
 from libp2p.crypto.keys import KeyPair
@@ -25,8 +25,32 @@ ELEMENT_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
 EMPTY_BLOB = hashlib.sha256(b"").hexdigest()
 
 
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
 class ManifestError(ValueError):
     """A delta manifest is malformed, oversized or not signed by whom it claims."""
+
+
+def decode_bounded(
+    model: type[_Model], raw: bytes, what: str, limit: int, max_map_len: int
+) -> _Model:
+    """Decode msgpack `raw`, at most `limit` bytes, into `model`: every failure, whether of size,
+    msgpack or validation, is a `ManifestError` naming `what` and the first few fields at fault."""
+    if len(raw) > limit:
+        raise ManifestError(f"{what} is {len(raw)} bytes; the limit is {limit}")
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_map_len=max_map_len)
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, error['loc'])) or what}: "
+            f"{error['msg'].removeprefix('Value error, ')}"
+            for error in exc.errors()[:5]
+        )
+        raise ManifestError(f"malformed {what}: {problems}") from exc
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ManifestError(f"malformed {what}: {exc}") from exc
 
 
 class TensorEntry(BaseModel):
@@ -108,21 +132,7 @@ class DeltaManifest(BaseModel):
 
     @classmethod
     def decode(cls, raw: bytes) -> DeltaManifest:
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"manifest is {len(raw)} bytes; the limit is {MAX_MANIFEST_BYTES}")
-        try:
-            data = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_map_len=MAX_TENSORS)
-            manifest = cls.model_validate(data)
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(map(str, error['loc'])) or 'manifest'}: "
-                f"{error['msg'].removeprefix('Value error, ')}"
-                for error in exc.errors()[:5]
-            )
-            raise ManifestError(f"malformed delta manifest: {problems}") from exc
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            raise ManifestError(f"malformed delta manifest: {exc}") from exc
-        return manifest
+        return decode_bounded(cls, raw, "delta manifest", MAX_MANIFEST_BYTES, MAX_TENSORS)
 
 
 class SignedManifest(BaseModel):

@@ -6,8 +6,6 @@ parent pulls it whole from the registry."""
 from __future__ import annotations
 
 import shutil
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import uvicorn
 from delta_helpers import current_base_tensors, hand_in_delta, noisy
 from safetensors.torch import load_file, save_file
+from serving import serve
 from skillswarm.coordinator.app import create_app
 from skillswarm.coordinator.config import (
     CoordinatorConfig,
@@ -158,25 +156,18 @@ def test_a_delta_not_the_coordinators_or_not_the_checkpoint_is_refused(tmp_path,
 # -- on loopback ------------------------------------------------------------------------------
 
 
-@contextmanager
-def _served(coordinator: Coordinator) -> Iterator[str]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(coordinator), log_level="warning", lifespan="on")
+def _coordinator_config(tmp_path: Path, base: Path) -> CoordinatorConfig:
+    """A coordinator that merges once one delta is in and publishes without the regression test."""
+    return CoordinatorConfig(
+        work_dir=tmp_path / "coord",
+        p2p_port=0,
+        base_checkpoint=base,
+        round=RoundPolicy(min_deltas=1),
+        eval=EvalConfig(domains=["math"], n_tasks=4, experts="none"),
+        publish=PublishPolicy(no_regression=False),
+        merge=MergePlan(method="task_arithmetic", parameters={"weight": 1.0}),
+        fanout=FanoutConfig(seed_slots=1),
     )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        sock.close()
 
 
 def _info(url: str) -> InfoOut:
@@ -212,18 +203,9 @@ def _wait(condition, what: str, timeout: float = 60) -> None:
 def test_nodes_rebase_from_each_other_and_one_without_the_parent_pulls_whole(
     tmp_path: Path, tiny_base: Path
 ) -> None:
-    config = CoordinatorConfig(
-        work_dir=tmp_path / "coord",
-        p2p_port=0,
-        base_checkpoint=tiny_base,
-        round=RoundPolicy(min_deltas=1),
-        eval=EvalConfig(domains=["math"], n_tasks=4, experts="none"),
-        publish=PublishPolicy(no_regression=False),
-        merge=MergePlan(method="task_arithmetic", parameters={"weight": 1.0}),
-        fanout=FanoutConfig(seed_slots=1),
-    )
+    config = _coordinator_config(tmp_path, tiny_base)
     c = Coordinator(config)
-    with _served(c) as url:
+    with serve(create_app(c)) as url:
         round0 = _info(url)
         with (
             _node(tmp_path, "a", url, round0) as a,
@@ -293,15 +275,7 @@ def test_nodes_rebase_from_each_other_and_one_without_the_parent_pulls_whole(
 def test_the_checkpoint_delta_is_packed_once_and_kept_across_a_restart(
     tmp_path: Path, tiny_base: Path
 ) -> None:
-    config = CoordinatorConfig(
-        work_dir=tmp_path / "coord",
-        p2p_port=0,
-        base_checkpoint=tiny_base,
-        round=RoundPolicy(min_deltas=1),
-        eval=EvalConfig(domains=["math"], n_tasks=4, experts="none"),
-        publish=PublishPolicy(no_regression=False),
-        merge=MergePlan(method="task_arithmetic", parameters={"weight": 1.0}),
-    )
+    config = _coordinator_config(tmp_path, tiny_base)
     first = Coordinator(config)
     first.prepare()
     assert first.fanout.kept_blobs() == set()  # round 0 has no parent: nothing to fan out

@@ -8,16 +8,15 @@ from __future__ import annotations
 import re
 import socket
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serving import serve
 from skillswarm.coordinator.app import create_app
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig
 from skillswarm.coordinator.http_server import server_config
@@ -88,27 +87,15 @@ def served(
     coordinator.prepare()
     monkeypatch_module.setenv(config.operator_token_env, TOKEN)
     app = create_app(coordinator)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        server_config(
-            app, "127.0.0.1", 0, header_timeout_s=HEADER_TIMEOUT_S, log_level="warning",
-            lifespan="off",
-        )
+    http_config = server_config(
+        app, "127.0.0.1", 0, header_timeout_s=HEADER_TIMEOUT_S, log_level="warning",
+        lifespan="off",
     )  # fmt: skip
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn")
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    served = Served(sock.getsockname()[1], config.work_dir)
-    before = _snapshot(config.work_dir)
-    yield served
-    after = _snapshot(config.work_dir)
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with serve(app, config=http_config, timeout=30) as url:
+        served = Served(int(url.rsplit(":", 1)[1]), config.work_dir)
+        before = _snapshot(config.work_dir)
+        yield served
+        after = _snapshot(config.work_dir)
     coordinator.store.close()
     assert after == before, "a bad request changed the work dir"
 

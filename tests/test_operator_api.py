@@ -4,21 +4,16 @@ show in the read API, /v1/nodes, /metrics for Prometheus, and a valid OpenAPI do
 from __future__ import annotations
 
 import shutil
-import socket
-import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from delta_helpers import current_base_tensors, hand_in_delta, noisy
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openapi_spec_validator import validate as validate_openapi
 from prometheus_client.parser import text_string_to_metric_families
+from serving import serve
 from skillswarm.coordinator.app import create_app
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
 from skillswarm.coordinator.service import Coordinator
@@ -484,33 +479,12 @@ def test_openapi_document_is_valid_and_shows_the_operator_security(
 # -- the whole app under uvicorn ------------------------------------------------------------------
 
 
-@contextmanager
-def _serve_with_lifespan(app: FastAPI) -> Iterator[str]:
-    """Run `app` under uvicorn on a free 127.0.0.1 port, startup and shutdown included."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        sock.close()
-
-
 def test_served_app_answers_operator_nodes_and_metrics_over_a_socket(
     tmp_path: Path, operator_base: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     c = Coordinator(_config(tmp_path, operator_base))
     monkeypatch.setenv(c.config.operator_token_env, TOKEN)
-    with _serve_with_lifespan(create_app(c)) as url, httpx.Client(base_url=url) as http:
+    with serve(create_app(c)) as url, httpx.Client(base_url=url) as http:
         assert http.get("/v1/info").json()["peer_id"] == c.host.peer_id
         assert http.post("/v1/operator/rounds").status_code == 401
         spec = {"method": "linear", "parameters": {"weight": 1.0}}

@@ -6,11 +6,8 @@ import hashlib
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
+from serving import serve
 from skillswarm.coordinator.hub_api import hub_router
 from skillswarm.coordinator.registry import (
     CheckpointRetired,
@@ -101,23 +98,9 @@ def serve_app(app: FastAPI) -> Iterator[ServedApp]:
             )
         await app(scope, receive, send)  # type: ignore[arg-type]
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    served.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(recording_app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
+    with serve(recording_app, lifespan="off", timeout=10) as url:
+        served.url = url
         yield served
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 def hub_app(registry: Registry) -> FastAPI:
