@@ -2,11 +2,11 @@
 before, RL with the domain's recipe (`node.recipes`) for a wall-clock budget, greedy held-out
 success after on the same tasks, and the gain in points. Exits 1 when any gain is below the bar.
 
-Run: `python bench/bench_learning.py [--minutes 10] [--domains math,code,search] [--base PATH]
-[--eval-tasks 128] [--min-gain 15] [--json results.json]`, plus overrides of the recipes' settings
-(`--help` lists them: temperature, learning rate, optimizer, tasks per step, group size, loss
-fields…). Without --base it builds the default base as `skillswarm bootstrap` does (copy
-pretraining, then math, code and search with MULTI_DOMAIN_WARM_START_STEPS and
+Run: `python bench/bench_learning.py [--minutes 10] [--steps N] [--domains math,code,search]
+[--base PATH] [--eval-tasks 128] [--min-gain 15] [--json results.json]`, plus overrides of the
+recipes' settings (`--help` lists them: temperature, learning rate, optimizer, tasks per step,
+group size, loss fields…). Without --base it builds the default base as `skillswarm bootstrap`
+does (copy pretraining, then math, code and search with MULTI_DOMAIN_WARM_START_STEPS and
 DEFAULT_DOMAIN_WEIGHTS, the machine's cores) and times that too. Domains run one after another
 from the same base, each with one torch thread per pipeline thread (rollout producers and
 trainer), so a run uses the machine's two cores. Held-out success is
@@ -128,10 +128,12 @@ def train_for(
     *,
     eval_tasks: int,
     eval_seed: int,
+    max_steps: int | None = None,
     log_every: int = 10,
 ) -> DomainOutcome:
     """RL from `base` on `domain` with `config` (its `steps` ignored) until `seconds` of wall
-    time are spent, with held-out success measured on the same tasks before and after."""
+    time are spent or `max_steps` steps are taken, with held-out success measured on the same
+    tasks before and after."""
     model, tokenizer = load_policy(base)
     before = evaluate((model, tokenizer), domain, eval_tasks, eval_seed)
     sampled_before = evaluate((model, tokenizer), domain, eval_tasks, eval_seed, config.temperature)
@@ -155,7 +157,7 @@ def train_for(
                 flush=True,
             )
 
-    budgeted = config.model_copy(update={"steps": MAX_BUDGETED_STEPS})
+    budgeted = config.model_copy(update={"steps": max_steps or MAX_BUDGETED_STEPS})
     run = AsyncRLRun(model, tokenizer, get_environment(domain), budgeted, on_step=on_step)
     load_before = load_average()
     cpu_started = time.process_time()
@@ -241,6 +243,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base", type=Path, help="a model folder (default: build the base)")
     parser.add_argument("--minutes", type=float, default=10.0, help="RL wall time per domain")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="RL steps per domain: stop there if the wall time is not spent first (a run "
+        "comparable across machines; give --minutes room)",
+    )
     parser.add_argument("--domains", default=",".join(list_environments()))
     parser.add_argument("--eval-tasks", type=int, default=128)
     parser.add_argument("--eval-seed", type=int, default=0)
@@ -269,8 +278,8 @@ def main() -> int:
         "--loss negative_advantage_weight=0 --loss aggregation=sequence_mean",
     )
     args = parser.parse_args()
-    if args.eval_tasks < 1 or args.minutes <= 0:
-        parser.error("--eval-tasks and --minutes must be positive")
+    if args.eval_tasks < 1 or args.minutes <= 0 or (args.steps is not None and args.steps < 1):
+        parser.error("--eval-tasks, --minutes and --steps must be positive")
     domains = [domain.strip() for domain in args.domains.split(",") if domain.strip()]
     try:
         recipes = {domain: _with_overrides(recipe_for(domain), args) for domain in domains}
@@ -319,6 +328,7 @@ def main() -> int:
                 args.minutes * 60,
                 eval_tasks=args.eval_tasks,
                 eval_seed=args.eval_seed,
+                max_steps=args.steps,
             )
         )
     print_table(outcomes, args.eval_tasks)
@@ -332,6 +342,7 @@ def main() -> int:
             "base": str(base),
             "base_build": base_timing,
             "minutes_per_domain": args.minutes,
+            "max_steps_per_domain": args.steps,
             "eval_tasks": args.eval_tasks,
             "eval_seed": args.eval_seed,
             "min_gain_points": args.min_gain,
