@@ -41,7 +41,7 @@ from skillswarm.agent.envs import get_environment
 from skillswarm.agent.evaluate import evaluate_checkpoint
 from skillswarm.agent.model import load_policy, set_torch_threads
 from skillswarm.agent.stats import paired_difference
-from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig
+from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, scores_row
 from skillswarm.coordinator.publication import publication_decision
 from skillswarm.coordinator.rounds import candidate_validation, merge_candidates
@@ -133,6 +133,7 @@ class Bench:
                 experts="own",
             ),
             outer=OuterOptimizerConfig(learning_rate=args.outer_lr, momentum=args.outer_momentum),
+            merge=MergePlan(own_domain_gate=not args.no_gate),
         )
         self.evaluator = Evaluator(self.config.eval)
         self.outer = OuterOptimizer(self.out / "coordinator" / "outer", self.config.outer)
@@ -244,11 +245,25 @@ class Bench:
                 steps=len(history),
             )
             inputs.append(ExpertInput(f"expert:{domain}", domain, DeltaReader(manifest, blobs)))
+        gate: list[dict[str, Any]] = []
+        merging = inputs
+        if self.config.merge.own_domain_gate:
+            gate = self.evaluator.own_domain_gate(base_id, base_dir, inputs, work)
+            merging = [e for e, g in zip(inputs, gate, strict=True) if g["kept"]]
+            left_out = [g["domain"] for g in gate if not g["kept"]]
+            if left_out:
+                self.log(f"round {number}: left out (below the base on its own domain): {left_out}")
+        if not merging:
+            self.log(f"round {number}: held: every delta below the base on its own domain")
+            self.decisions.append({"round": number, "publish": False, "gate": gate})
+            self.arms["swarm"].rounds[number] = self.arms["swarm"].rounds[number - 1]
+            shutil.rmtree(work, ignore_errors=True)
+            return base_dir
         self.log(f"round {number}: merging")
         merged = merge_candidates(
             self.config.merge.specs(),
             base_dir,
-            [TaskVector(name=e.domain, expert=e.reader.expert) for e in inputs],
+            [TaskVector(name=e.domain, expert=e.reader.expert) for e in merging],
             work,
             self.evaluator,
         )
@@ -267,6 +282,7 @@ class Bench:
                 "chosen": chosen.model_dump(),
                 "candidates": candidates,
                 **decision.to_dict(),
+                "gate": gate,
                 "experts_own_domain": {
                     e.domain: table[e.label][e.domain]["success_rate"] for e in inputs
                 },
@@ -433,6 +449,12 @@ def main() -> int:
         action="store_true",
         help="run the swarm arm alone, the other arms left at the base (to compare the "
         "coordinator's settings between runs)",
+    )
+    parser.add_argument(
+        "--no-gate",
+        action="store_true",
+        help="merge every delta, without the coordinator's own-domain gate (which leaves out a "
+        "delta that scores below the base on its own domain's validation tasks)",
     )
     parser.add_argument(
         "--outer-lr", type=float, default=1.0, help="the outer optimizer's learning rate"

@@ -160,10 +160,18 @@ class MergePlan(MergeSpec):
     reward over eval.domains on eval.validation_seed is published, ties going to the earlier.
     The default sums the round's task vectors (task arithmetic, λ = 1: each node's delta at its
     full size, as if the nodes' steps had been taken one after another) and tries λ = 0.5 beside
-    it; what each method measured: docs/merging.md.
+    it; what each method measured: docs/merging.md. Before any of it, the own-domain gate leaves
+    out the deltas that lower their own domain's score on the validation tasks: RL that lowers
+    its own skill has nothing to give the merge, and merging it lowers that skill in the swarm.
     """
 
     candidates: list[MergeSpec] = Field(default_factory=_default_candidates)
+    own_domain_gate: bool = Field(
+        default=True,
+        description="before merging, score each delta applied alone on its own domain's "
+        "validation tasks and leave out of the merge any that scores below the base there "
+        "(mean reward); a round whose every delta is left out is held",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -179,7 +187,7 @@ class MergePlan(MergeSpec):
 
     def specs(self) -> list[MergeSpec]:
         """This spec and the candidates, without repeats, in order."""
-        own = MergeSpec.model_validate(self.model_dump(exclude={"candidates"}))
+        own = MergeSpec.model_validate(self.model_dump(exclude={"candidates", "own_domain_gate"}))
         unique: list[MergeSpec] = []
         for spec in [own, *self.candidates]:
             if spec not in unique:

@@ -106,6 +106,32 @@ class Evaluator:
             folder, config.domains, config.n_tasks, config.validation_tasks_seed(), cache_as
         )
 
+    def own_domain_gate(
+        self, base_id: str, base_dir: Path, experts: Sequence[ExpertInput], work: Path
+    ) -> list[dict[str, Any]]:
+        """For each expert (its delta applied alone), its own domain's mean reward on the
+        validation tasks beside the base's, and whether it is at least the base's there (`kept`). An
+        expert of a domain that is not evaluated is kept unscored."""
+        config = self.eval_config
+        seed = config.validation_tasks_seed()
+        gate: list[dict[str, Any]] = []
+        for expert in experts:
+            entry: dict[str, Any] = {"label": expert.label, "domain": expert.domain}
+            if expert.domain not in config.domains:
+                gate.append(entry | {"kept": True, "base": None, "expert": None})
+                continue
+            base = self.scores(base_dir, [expert.domain], config.n_tasks, seed, cache_as=base_id)
+            folder = write_expert_checkpoint(base_dir, expert.reader, work / "gated-expert")
+            try:
+                alone = self.scores(folder, [expert.domain], config.n_tasks, seed)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            base_reward = mean_reward(base[expert.domain])
+            expert_reward = mean_reward(alone[expert.domain])
+            kept = expert_reward >= base_reward
+            gate.append(entry | {"kept": kept, "base": base_reward, "expert": expert_reward})
+        return gate
+
     def evaluate(self, checkpoints: Mapping[str, Path]) -> dict[str, DomainScores]:
         """Held-out scores of each named checkpoint on every configured domain."""
         config = self.eval_config

@@ -310,21 +310,47 @@ class Rounds:
             base = self.registry.get(base_id)
             base_dir = self.registry.checkpoint_dir(base)
             readers = {record.id: _reader_of(record, self.blobs) for record in accepted}
-            experts = [TaskVector(name=i[:16], expert=r.expert) for i, r in readers.items()]
+            expert_inputs = {
+                record.id: ExpertInput(expert_label(record), record.domain, readers[record.id])
+                for record in accepted
+            }
+            gate: list[dict[str, Any]] = []
+            merging = [record.id for record in accepted]
+            if plan.own_domain_gate:
+                gate = self.evaluator.own_domain_gate(
+                    base.id, base_dir, list(expert_inputs.values()), work
+                )
+                merging = [i for i, g in zip(expert_inputs, gate, strict=True) if g["kept"]]
+                left_out = [g["label"] for g in gate if not g["kept"]]
+                if left_out:
+                    log.info("round %d: below the base on their own domain, left out: %s",
+                             number, ", ".join(left_out))  # fmt: skip
+            if not merging:
+                extra = {
+                    "inputs": [d.id for d in accepted],
+                    "evaluation": {},
+                    "merge_spec": plan.specs()[0].model_dump(),
+                    "candidates": [],
+                    "trigger": trigger,
+                    "merge_seconds": round(time.monotonic() - started, 3),
+                    "decision": {
+                        "publish": False,
+                        "reason": "every delta scored below the base on its own domain",
+                        "comparisons": {},
+                        "gate": gate,
+                    },
+                }
+                self.record_held(number, base_id, extra)
+                log.warning("round %d held: %s", number, extra["decision"]["reason"])
+                return None
+            experts = [TaskVector(name=i[:16], expert=readers[i].expert) for i in merging]
             merged = merge_candidates(plan.specs(), base_dir, experts, work, self.evaluator)
             chosen, candidates = merged.spec, merged.records
             candidate_dir = self.outer.step(
                 base.id, base_dir, merged.folder, work / "stepped", number
             )
             evaluation = self.evaluator.evaluation_table(
-                base.id,
-                base_dir,
-                [
-                    ExpertInput(expert_label(record), record.domain, readers[record.id])
-                    for record in accepted
-                ],
-                candidate_dir,
-                work,
+                base.id, base_dir, list(expert_inputs.values()), candidate_dir, work
             )
             decision = publication_decision(
                 self.evaluator.validation_scores(base_dir, cache_as=base.id),
@@ -339,7 +365,7 @@ class Rounds:
                 "candidates": candidates,
                 "trigger": trigger,
                 "merge_seconds": round(time.monotonic() - started, 3),
-                "decision": decision.to_dict(),
+                "decision": decision.to_dict() | {"gate": gate},
                 "outer": self.config.outer.model_dump(),
             }
             if not decision.publish:

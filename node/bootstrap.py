@@ -36,7 +36,7 @@ DEFAULT_WARM_START_STEPS = 480
 MULTI_DOMAIN_WARM_START_STEPS = 300
 MULTI_DOMAIN_COPY_STEPS = 2000
 # Each domain's share of those steps' demonstrations.
-DEFAULT_DOMAIN_WEIGHTS: dict[str, float] = {"math": 4.0, "code": 1.0, "search": 12.0}
+DEFAULT_DOMAIN_WEIGHTS: dict[str, float] = {"math": 4.0, "code": 3.0, "search": 12.0}
 DEFAULT_WARM_START_BATCH_SIZE = 16
 DEFAULT_WARM_START_LR = 1.5e-3
 

@@ -161,8 +161,9 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
     }
     response = client.put("/v1/operator/merge", json=spec, headers=AUTH)
     assert response.status_code == 200, response.text
-    assert response.json() == spec | {"candidates": []}
-    assert client.get("/v1/info").json()["merge"] == spec | {"candidates": []}
+    plan = spec | {"candidates": [], "own_domain_gate": True}
+    assert response.json() == plan
+    assert client.get("/v1/info").json()["merge"] == plan
 
     fragment = (
         "merge_method: dare_ties\n"
@@ -186,6 +187,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
         "out_dtype": None,
         "seed": 11,
         "candidates": [],
+        "own_domain_gate": True,
     }
 
     in_json = {

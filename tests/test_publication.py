@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from delta_helpers import hand_in_delta
+from delta_helpers import current_base_tensors, hand_in_delta, noisy
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 from skillswarm.coordinator.app import create_app
 from skillswarm.coordinator.config import (
     CoordinatorConfig,
     EvalConfig,
+    MergePlan,
     PublishPolicy,
     RoundPolicy,
 )
@@ -88,13 +89,16 @@ def _degraded(base_dir: Path, out: Path, scale: float = 0.5, seed: int = 0) -> P
     return out
 
 
-def _coordinator(tmp_path: Path, base: Path) -> Coordinator:
+def _coordinator(tmp_path: Path, base: Path, gate: bool = False, quorum: int = 1) -> Coordinator:
+    """A coordinator scoring math on 24 validation tasks; the own-domain gate off unless asked,
+    so that the publication rule alone judges the merge."""
     config = CoordinatorConfig(
         work_dir=tmp_path / "coord",
         p2p_port=0,
         base_checkpoint=base,
-        round=RoundPolicy(min_deltas=1),
+        round=RoundPolicy(min_deltas=quorum),
         eval=EvalConfig(domains=["math"], n_tasks=24, experts="none"),
+        merge=MergePlan(own_domain_gate=gate),
     )
     coordinator = Coordinator(config)
     coordinator.prepare()
@@ -144,3 +148,39 @@ def test_a_degrading_delta_is_held_and_a_restoring_one_published(tmp_path, tiny_
 
 def current_base_tensors_of(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
+
+
+def test_a_delta_that_lowers_its_own_domain_is_left_out_of_the_merge(tmp_path, tiny_base):
+    degraded = _degraded(tiny_base, tmp_path / "degraded")
+    harmless_key = load_or_create_identity(tmp_path / "harmless.key")
+    harmful_key = load_or_create_identity(tmp_path / "harmful.key")
+
+    both = _coordinator(tmp_path / "both", tiny_base, gate=True, quorum=2)
+    try:
+        harmless = hand_in_delta(both, harmless_key, noisy(current_base_tensors(both), seed=1))
+        harmful = hand_in_delta(both, harmful_key, current_base_tensors_of(degraded))
+        published = both.rounds.round_record(1)
+        assert published["status"] == "published", published["error"]
+        assert published["inputs"] == [harmless.id, harmful.id]  # both on record
+        gate = {entry["label"].rsplit(":", 1)[1]: entry for entry in published["decision"]["gate"]}
+        kept, left_out = gate[harmless.id[:12]], gate[harmful.id[:12]]
+        assert kept["kept"] and kept["expert"] >= kept["base"]
+        assert not left_out["kept"] and left_out["expert"] < left_out["base"]
+        # Merged, the harmful delta would have held the round (the first test); left out, the
+        # merge keeps the base's math.
+        assert published["decision"]["comparisons"]["math"]["mean"] >= 0
+    finally:
+        both.store.close()
+
+    alone = _coordinator(tmp_path / "alone", tiny_base, gate=True)
+    try:
+        base_id = alone.current_base().id
+        hand_in_delta(alone, harmful_key, current_base_tensors_of(degraded))
+        held = alone.rounds.round_record(1)
+        assert held["status"] == "held"
+        assert "below the base on its own domain" in held["decision"]["reason"]
+        assert [entry["kept"] for entry in held["decision"]["gate"]] == [False]
+        assert alone.current_base().id == base_id
+        assert alone.rounds.current_round().base_id == base_id
+    finally:
+        alone.store.close()
