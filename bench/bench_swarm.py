@@ -44,7 +44,11 @@ from skillswarm.agent.stats import paired_difference
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, scores_row
 from skillswarm.coordinator.publication import publication_decision
-from skillswarm.coordinator.rounds import candidate_validation, merge_candidates
+from skillswarm.coordinator.rounds import (
+    candidate_validation,
+    gate_by_own_domain,
+    merge_candidates,
+)
 from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
 from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors
@@ -245,14 +249,11 @@ class Bench:
                 steps=len(history),
             )
             inputs.append(ExpertInput(f"expert:{domain}", domain, DeltaReader(manifest, blobs)))
-        gate: list[dict[str, Any]] = []
-        merging = inputs
-        if self.config.merge.own_domain_gate:
-            gate = self.evaluator.own_domain_gate(base_id, base_dir, inputs, work)
-            merging = [e for e, g in zip(inputs, gate, strict=True) if g["kept"]]
-            left_out = [g["domain"] for g in gate if not g["kept"]]
-            if left_out:
-                self.log(f"round {number}: left out (below the base on its own domain): {left_out}")
+        merging, gate = gate_by_own_domain(
+            self.config.merge, self.evaluator, base_id, base_dir, inputs, work
+        )
+        if left_out := [g["domain"] for g in gate if not g["kept"]]:
+            self.log(f"round {number}: left out (below the base on its own domain): {left_out}")
         if not merging:
             self.log(f"round {number}: held: every delta below the base on its own domain")
             self.decisions.append({"round": number, "publish": False, "gate": gate})

@@ -45,6 +45,7 @@ __all__ = [
     "MissingBaseCheckpoint",
     "Rounds",
     "Candidates",
+    "gate_by_own_domain",
     "candidate_validation",
     "merge_candidates",
     "round_dict",
@@ -309,22 +310,13 @@ class Rounds:
         try:
             base = self.registry.get(base_id)
             base_dir = self.registry.checkpoint_dir(base)
-            readers = {record.id: _reader_of(record, self.blobs) for record in accepted}
-            expert_inputs = {
-                record.id: ExpertInput(expert_label(record), record.domain, readers[record.id])
+            expert_inputs = [
+                ExpertInput(expert_label(record), record.domain, _reader_of(record, self.blobs))
                 for record in accepted
-            }
-            gate: list[dict[str, Any]] = []
-            merging = [record.id for record in accepted]
-            if plan.own_domain_gate:
-                gate = self.evaluator.own_domain_gate(
-                    base.id, base_dir, list(expert_inputs.values()), work
-                )
-                merging = [i for i, g in zip(expert_inputs, gate, strict=True) if g["kept"]]
-                left_out = [g["label"] for g in gate if not g["kept"]]
-                if left_out:
-                    log.info("round %d: below the base on their own domain, left out: %s",
-                             number, ", ".join(left_out))  # fmt: skip
+            ]
+            merging, gate = gate_by_own_domain(
+                plan, self.evaluator, base.id, base_dir, expert_inputs, work
+            )
             if not merging:
                 extra = {
                     "inputs": [d.id for d in accepted],
@@ -343,14 +335,15 @@ class Rounds:
                 self.record_held(number, base_id, extra)
                 log.warning("round %d held: %s", number, extra["decision"]["reason"])
                 return None
-            experts = [TaskVector(name=i[:16], expert=readers[i].expert) for i in merging]
+            names = {e.label: r.id[:16] for e, r in zip(expert_inputs, accepted, strict=True)}
+            experts = [TaskVector(name=names[e.label], expert=e.reader.expert) for e in merging]
             merged = merge_candidates(plan.specs(), base_dir, experts, work, self.evaluator)
             chosen, candidates = merged.spec, merged.records
             candidate_dir = self.outer.step(
                 base.id, base_dir, merged.folder, work / "stepped", number
             )
             evaluation = self.evaluator.evaluation_table(
-                base.id, base_dir, list(expert_inputs.values()), candidate_dir, work
+                base.id, base_dir, expert_inputs, candidate_dir, work
             )
             decision = publication_decision(
                 self.evaluator.validation_scores(base_dir, cache_as=base.id),
@@ -542,6 +535,26 @@ class Candidates:
     folder: Path
     records: list[dict[str, Any]]
     validation: dict[str, dict[str, Any]] | None
+
+
+def gate_by_own_domain(
+    plan: MergePlan,
+    evaluator: Evaluator,
+    base_id: str,
+    base_dir: Path,
+    experts: Sequence[ExpertInput],
+    work: Path,
+) -> tuple[list[ExpertInput], list[dict[str, Any]]]:
+    """The experts a round merges and the own-domain gate's record of each: with the gate off,
+    all of them and no record; else those scoring at least the base on their own domain's
+    validation tasks (`Evaluator.own_domain_gate`)."""
+    if not plan.own_domain_gate:
+        return list(experts), []
+    gate = evaluator.own_domain_gate(base_id, base_dir, experts, work)
+    left_out = [entry["label"] for entry in gate if not entry["kept"]]
+    if left_out:
+        log.info("below the base on their own domain, left out of the merge: %s", left_out)
+    return [e for e, entry in zip(experts, gate, strict=True) if entry["kept"]], gate
 
 
 def merge_candidates(
