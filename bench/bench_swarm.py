@@ -270,11 +270,17 @@ class Bench:
         )
         chosen, candidates = merged.spec, merged.records
         candidate_dir = self.outer.step(base_id, base_dir, merged.folder, work / "stepped", number)
+        origin = self.out / "round-0"
         decision = publication_decision(
             self.evaluator.validation_scores(base_dir, cache_as=base_id),
             candidate_validation(merged, candidate_dir, self.evaluator),
             self.config.publish,
             self.config.eval.level,
+            origin_scores=(
+                None
+                if base_dir == origin
+                else self.evaluator.validation_scores(origin, cache_as=folder_id(origin))
+            ),
         )
         table = self.evaluator.evaluation_table(base_id, base_dir, inputs, candidate_dir, work)
         self.decisions.append(

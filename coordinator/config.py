@@ -130,7 +130,9 @@ class PublishPolicy(BaseModel):
     paired test at level `alpha`: the exact sign test on the tasks where exactly one of the two
     succeeds (success), or a sign-flip permutation test (reward). A domain where the candidate is
     worse at that level by more than `margin` holds the round: nothing is published, and the
-    next round trains again on the current base.
+    next round trains again on the current base. With `against_origin`, the candidate is compared
+    the same way with the round-0 checkpoint too (from round 2 on), so that small losses that each
+    pass the comparison with the base cannot drift the published model below where the swarm began.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -146,6 +148,11 @@ class PublishPolicy(BaseModel):
     )
     margin: float = Field(
         default=0.0, ge=0, description="a fall in the metric's mean no larger than this is allowed"
+    )
+    against_origin: bool = Field(
+        default=True,
+        description="also hold a candidate worse than the round-0 checkpoint on a domain, so "
+        "that losses each within noise of the current base cannot add up round after round",
     )
 
 

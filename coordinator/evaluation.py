@@ -4,6 +4,7 @@ the evaluation table of a round (base, each expert alone, the merged candidate).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import shutil
@@ -26,6 +27,7 @@ __all__ = [
     "DomainScores",
     "Evaluator",
     "ExpertInput",
+    "expert_folder",
     "expert_label",
     "mean_reward",
     "scores_row",
@@ -121,11 +123,8 @@ class Evaluator:
                 gate.append(entry | {"kept": True, "base": None, "expert": None})
                 continue
             base = self.scores(base_dir, [expert.domain], config.n_tasks, seed, cache_as=base_id)
-            folder = write_expert_checkpoint(base_dir, expert.reader, work / "gated-expert")
-            try:
-                alone = self.scores(folder, [expert.domain], config.n_tasks, seed)
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+            folder = expert_folder(base_dir, expert, work)
+            alone = self.scores(folder, [expert.domain], config.n_tasks, seed)
             base_reward = mean_reward(base[expert.domain])
             expert_reward = mean_reward(alone[expert.domain])
             kept = expert_reward >= base_reward
@@ -161,11 +160,25 @@ class Evaluator:
             scored = [d for d in scored if d in domains]
             if not scored:
                 continue
-            folder = write_expert_checkpoint(base_dir, expert.reader, work / "expert")
+            folder = expert_folder(base_dir, expert, work)
             table[expert.label] = self.scores(folder, scored, n_tasks, seed)
-            shutil.rmtree(folder, ignore_errors=True)
         table["merged"] = self.scores(merged_dir, domains, n_tasks, seed)
         return table
+
+
+def expert_folder(base_dir: Path, expert: ExpertInput, work: Path) -> Path:
+    """base + `expert`'s delta as a checkpoint folder under `work`, written on the first ask and
+    reused after it (the own-domain gate and the evaluation table score the same expert); the
+    round's work folder is removed when the round ends. A folder appears whole or not at all."""
+    name = hashlib.sha256(f"{base_dir.resolve()}\n{expert.label}".encode()).hexdigest()[:16]
+    folder = work / "experts" / name
+    if folder.is_dir():
+        return folder
+    partial = work / "experts" / f"{name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    write_expert_checkpoint(base_dir, expert.reader, partial)
+    partial.rename(folder)
+    return folder
 
 
 def scores_row(result: EvalResult, level: float = 0.95) -> dict[str, Any]:

@@ -21,9 +21,13 @@ class Decision:
     publish: bool
     reason: str
     comparisons: dict[str, dict[str, Any]] = field(default_factory=dict)
+    origin_comparisons: dict[str, dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"publish": self.publish, "reason": self.reason, "comparisons": self.comparisons}
+        verdict = {"publish": self.publish, "reason": self.reason, "comparisons": self.comparisons}
+        if self.origin_comparisons is not None:
+            verdict["origin_comparisons"] = self.origin_comparisons
+        return verdict
 
 
 def outcomes_of(row: Mapping[str, Any], metric: str) -> list[float]:
@@ -55,38 +59,65 @@ def compare_rows(
     return {"metric": metric, "level": level, **difference.to_dict()}
 
 
-def publication_decision(
-    base_scores: Mapping[str, Mapping[str, Any]],
-    candidate_scores: Mapping[str, Mapping[str, Any]],
+def _worse_domains(
+    reference: Mapping[str, Mapping[str, Any]],
+    candidate: Mapping[str, Mapping[str, Any]],
     policy: PublishPolicy,
-    level: float = 0.95,
-) -> Decision:
-    """Publish unless, on some domain, the candidate is worse than the base beyond noise (see
-    `PublishPolicy`). Every domain's paired comparison is returned either way."""
+    level: float,
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Each domain's paired comparison candidate − reference, and the domains where the candidate
+    is worse beyond noise (a one-sided test at policy.alpha, past policy.margin), described."""
     comparisons: dict[str, dict[str, Any]] = {}
     worse: list[str] = []
-    for domain in sorted(base_scores):
-        if domain not in candidate_scores:
+    for domain in sorted(reference):
+        if domain not in candidate:
             raise ValueError(f"the candidate was not scored on {domain}")
-        base_outcomes: Sequence[float] = outcomes_of(base_scores[domain], policy.metric)
-        candidate_outcomes = outcomes_of(candidate_scores[domain], policy.metric)
+        reference_outcomes: Sequence[float] = outcomes_of(reference[domain], policy.metric)
+        candidate_outcomes = outcomes_of(candidate[domain], policy.metric)
         comparisons[domain] = compare_rows(
-            base_scores[domain], candidate_scores[domain], policy.metric, level
+            reference[domain], candidate[domain], policy.metric, level
         )
         holds, difference = not_worse(
-            base_outcomes, candidate_outcomes, alpha=policy.alpha, margin=policy.margin
+            reference_outcomes, candidate_outcomes, alpha=policy.alpha, margin=policy.margin
         )
         if not holds:
             worse.append(
                 f"{domain} {100 * difference.mean:+.1f} points "
                 f"(one-sided p = {difference.p_worse:.3g} < {policy.alpha})"
             )
-    if not policy.no_regression:
-        return Decision(True, "the no-regression rule is off", comparisons)
-    if worse:
-        return Decision(
-            False,
-            "worse than the current base beyond noise on " + "; ".join(worse),
-            comparisons,
+    return comparisons, worse
+
+
+def publication_decision(
+    base_scores: Mapping[str, Mapping[str, Any]],
+    candidate_scores: Mapping[str, Mapping[str, Any]],
+    policy: PublishPolicy,
+    level: float = 0.95,
+    origin_scores: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Decision:
+    """Publish unless, on some domain, the candidate is worse than the base beyond noise (see
+    `PublishPolicy`), or, given `origin_scores` (the round-0 checkpoint's, on the same tasks) and
+    with policy.against_origin, worse than the origin beyond noise. Every domain's paired
+    comparison with the base (and with the origin) is returned either way."""
+    comparisons, worse = _worse_domains(base_scores, candidate_scores, policy, level)
+    origin_comparisons: dict[str, dict[str, Any]] | None = None
+    worse_than_origin: list[str] = []
+    if origin_scores is not None and policy.against_origin:
+        origin_comparisons, worse_than_origin = _worse_domains(
+            origin_scores, candidate_scores, policy, level
         )
-    return Decision(True, "not worse than the current base on any domain", comparisons)
+    if not policy.no_regression:
+        return Decision(True, "the no-regression rule is off", comparisons, origin_comparisons)
+    reasons = []
+    if worse:
+        reasons.append("worse than the current base beyond noise on " + "; ".join(worse))
+    if worse_than_origin:
+        reasons.append(
+            "worse than the round-0 checkpoint beyond noise on " + "; ".join(worse_than_origin)
+        )
+    if reasons:
+        return Decision(False, "; ".join(reasons), comparisons, origin_comparisons)
+    against = "the current base" if origin_comparisons is None else "the current base or round 0"
+    return Decision(
+        True, f"not worse than {against} on any domain", comparisons, origin_comparisons
+    )

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from skillswarm.coordinator.config import CoordinatorConfig, MergePlan
-from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, expert_label, mean_reward
+from skillswarm.coordinator.evaluation import (
+    DomainScores,
+    Evaluator,
+    ExpertInput,
+    expert_label,
+    mean_reward,
+)
 from skillswarm.coordinator.fanout import Fanout
 from skillswarm.coordinator.publication import publication_decision
 from skillswarm.coordinator.registry import CheckpointInfo, Registry, RevisionNotFound
@@ -196,6 +202,20 @@ class Rounds:
             row.status = RoundStatus.OPEN
         log.info("round %d's merge was cut short; it merges again once its policy is met", number)
 
+    def origin_validation(self, base_id: str) -> DomainScores | None:
+        """The round-0 checkpoint's validation scores, which the publication rule compares a
+        candidate with beside the current base; None when the rule does not ask for them, when
+        round 0 is the current base, or when it has been retired."""
+        if not (self.config.publish.no_regression and self.config.publish.against_origin):
+            return None
+        origins = [i for i in self.registry.list() if i.round == 0 and not i.retired]
+        if not origins or origins[0].id == base_id:
+            return None
+        origin = origins[0]
+        return self.evaluator.validation_scores(
+            self.registry.checkpoint_dir(origin), cache_as=origin.id
+        )
+
     def _published_checkpoint(self, number: int, parent: str) -> CheckpointInfo | None:
         """The checkpoint round `number` published on `parent` (the latest, if several), if any."""
         published = [
@@ -350,6 +370,7 @@ class Rounds:
                 candidate_validation(merged, candidate_dir, self.evaluator),
                 self.config.publish,
                 self.config.eval.level,
+                origin_scores=self.origin_validation(base.id),
             )
             extra = {
                 "inputs": [d.id for d in accepted],

@@ -17,6 +17,7 @@ import torch
 from delta_helpers import hand_in_delta
 from pydantic import ValidationError
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, GateConfig, RoundPolicy
+from skillswarm.coordinator.evaluation import ExpertInput, expert_folder
 from skillswarm.coordinator.gates import (
     DeltaRejected,
     check_domain_scores,
@@ -135,6 +136,21 @@ def test_expert_checkpoint_is_base_plus_delta_bit_for_bit(tmp_path: Path, tiny_b
         assert torch.equal(tensor, tuned[name].to(base[name].dtype)), name
     assert (out / "config.json").read_bytes() == (tiny_base / "config.json").read_bytes()
     assert (out / "tokenizer.json").is_file()
+
+    # Within a round the gate and the evaluation table share one written copy of each expert.
+    expert = ExpertInput("expert:math:abc", "math", DeltaReader(manifest, store))
+    work = tmp_path / "round-work"
+    folder = expert_folder(tiny_base, expert, work)
+    weights = next(folder.glob("*.safetensors"))
+    written_at = weights.stat().st_mtime_ns
+    assert expert_folder(tiny_base, expert, work) == folder
+    assert weights.stat().st_mtime_ns == written_at
+    assert not list((work / "experts").glob("*.partial"))
+    assert dict(iter_base_tensors(folder)).keys() == written.keys()
+    for name, tensor in iter_base_tensors(folder):
+        assert torch.equal(tensor, written[name]), name
+    other = ExpertInput("expert:math:def", "math", DeltaReader(manifest, store))
+    assert expert_folder(tiny_base, other, work) != folder
 
 
 # -- the gates in the coordinator ----------------------------------------------------------------

@@ -66,6 +66,27 @@ def test_noise_does_not_hold_and_the_rule_can_be_turned_off():
     assert margin.publish
 
 
+def test_small_losses_that_add_up_below_round_zero_are_held():
+    # Round 0 solved 24 of 32; the current base, one small loss later, 20; the candidate 16.
+    origin = {"math": _row([1] * 24 + [0] * 8)}
+    base = {"math": _row([1] * 20 + [0] * 12)}
+    candidate = {"math": _row([1] * 16 + [0] * 16)}
+    assert publication_decision(base, candidate, PublishPolicy()).publish  # within noise of base
+    decision = publication_decision(base, candidate, PublishPolicy(), origin_scores=origin)
+    assert not decision.publish
+    assert "round-0" in decision.reason and "current base" not in decision.reason
+    assert decision.origin_comparisons["math"]["mean"] == pytest.approx(-0.25)
+    assert decision.to_dict()["origin_comparisons"]["math"]["p_worse"] < 0.05
+    assert decision.comparisons["math"]["mean"] == pytest.approx(-0.125)
+    off = publication_decision(
+        base, candidate, PublishPolicy(against_origin=False), origin_scores=origin
+    )
+    assert off.publish and off.origin_comparisons is None
+    assert "origin_comparisons" not in off.to_dict()
+    recovered = publication_decision(base, origin, PublishPolicy(), origin_scores=origin)
+    assert recovered.publish and "round 0" in recovered.reason
+
+
 def test_rows_of_different_tasks_are_not_compared():
     a, b = _row([1, 0]), _row([1, 0])
     b["task_ids"] = ["x", "y"]
@@ -184,3 +205,33 @@ def test_a_delta_that_lowers_its_own_domain_is_left_out_of_the_merge(tmp_path, t
         assert alone.rounds.current_round().base_id == base_id
     finally:
         alone.store.close()
+
+
+def test_from_round_two_a_candidate_is_also_compared_with_round_zero(tmp_path, tiny_base):
+    degraded = _degraded(tiny_base, tmp_path / "degraded")
+    key = load_or_create_identity(tmp_path / "node.key")
+    coordinator = _coordinator(tmp_path / "coord", tiny_base)
+    try:
+        origin_id = coordinator.current_base().id
+        rounds = coordinator.rounds
+        # Round 1 publishes the degraded weights under a rule that allows any fall.
+        strict = rounds.config.publish
+        rounds.config = rounds.config.model_copy(update={"publish": PublishPolicy(margin=1.0)})
+        hand_in_delta(coordinator, key, current_base_tensors_of(degraded))
+        first = rounds.round_record(1)
+        assert first["status"] == "published", first["error"]
+        assert "origin_comparisons" not in first["decision"]  # round 0 was the base
+        # Round 2's candidate equals its base, but round 0 was better: the default rule holds it.
+        rounds.config = rounds.config.model_copy(update={"publish": strict})
+        round_one_id = coordinator.current_base().id
+        hand_in_delta(coordinator, key, current_base_tensors_of(degraded))
+        second = rounds.round_record(2)
+        assert second["status"] == "held", second
+        decision = second["decision"]
+        assert "round-0 checkpoint" in decision["reason"], decision["reason"]
+        assert "current base" not in decision["reason"]
+        assert decision["comparisons"]["math"]["mean"] == 0
+        assert decision["origin_comparisons"]["math"]["high"] < 0
+        assert coordinator.current_base().id == round_one_id != origin_id
+    finally:
+        coordinator.store.close()
