@@ -44,7 +44,8 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
         max_staleness=1,
         loss=_OUTCOME_ONLY,
     ),
-    # Groups of 4 for more steps in the time; per-turn credit kept for searches and reads.
+    # Groups of 4 for more steps in the time; per-turn credit kept for searches and reads; the
+    # better samples only: pushing failed episodes down collapsed search's tool use more than once.
     "search": RLConfig(
         steps=10,
         tasks_per_step=8,
@@ -53,6 +54,7 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
         learning_rate=_SGD_LEARNING_RATE,
         temperature=0.7,
         max_staleness=1,
+        loss=LossConfig(negative_advantage_weight=0.0),
     ),
 }
 
