@@ -109,21 +109,25 @@ function evaluationTable(evaluation) {
 }
 
 // The publication rule's verdict: published or held and why, and per domain the paired
-// difference candidate − base on the validation tasks with its interval and p-values.
+// difference candidate − base on the validation tasks with its interval and p-values (and,
+// from round 2 on, candidate − round 0).
 function decisionBlock(round) {
   const decision = round.decision;
   if (!decision) return round.error ? el("div", {class: "status-failed"}, round.error) : "";
-  const comparisons = Object.entries(decision.comparisons || {})
-    .sort((a, b) => a[0].localeCompare(b[0]));
   const p = (value) => typeof value === "number" ? value.toPrecision(3) : "–";
+  const comparisonTable = (byDomain, versus) => {
+    const comparisons = Object.entries(byDomain || {}).sort((a, b) => a[0].localeCompare(b[0]));
+    return comparisons.length ? table(
+      ["domain", "candidate − " + versus + " (points)", "tasks", "p worse", "p better"],
+      comparisons.map(([domain, c]) => [domain,
+        signedPoints(c.mean) + " [" + signedPoints(c.low) + ", " + signedPoints(c.high) + "]",
+        c.n, p(c.p_worse), p(c.p_better)])) : "";
+  };
   return el("div", {class: "decision"},
     el("div", {class: decision.publish ? "status-published" : "status-held"},
       (decision.publish ? "publish: " : "held: ") + decision.reason),
-    comparisons.length ? table(
-      ["domain", "candidate − base (points)", "tasks", "p worse", "p better"],
-      comparisons.map(([domain, c]) => [domain,
-        signedPoints(c.mean) + " [" + signedPoints(c.low) + ", " + signedPoints(c.high) + "]",
-        c.n, p(c.p_worse), p(c.p_better)])) : "");
+    comparisonTable(decision.comparisons, "base"),
+    comparisonTable(decision.origin_comparisons, "round 0"));
 }
 
 // Per domain, the published model's success after each evaluated round, from the base at round

@@ -660,8 +660,8 @@ def round_scores(status: str, extra: Mapping[str, Any]) -> dict[str, float]:
     """A decided round's numbers for a tracker, from its record's `extra`: published (1) or
     held (0), deltas merged and merge time; `{model}/{domain}/{score}` of the base, each
     expert (`expert-{domain}-{delta id}`) and the merge: mean reward, success rate and its
-    interval; each candidate's validation score; and `decision/{domain}/…`, the paired
-    difference merge − base."""
+    interval; each candidate's validation score; `decision/{domain}/…`, the paired difference
+    merge − base, and `decision_origin/{domain}/…`, merge − round 0."""
     scores: dict[str, float] = {
         "round/published": float(status == RoundStatus.PUBLISHED),
         "round/deltas": float(len(extra.get("inputs") or [])),
@@ -679,11 +679,12 @@ def round_scores(status: str, extra: Mapping[str, Any]) -> dict[str, float]:
         if isinstance(candidate.get("score"), int | float):
             scores[f"{name}/validation_score"] = float(candidate["score"])
         scores[f"{name}/chosen"] = float(bool(candidate.get("chosen")))
-    comparisons = (extra.get("decision") or {}).get("comparisons") or {}
-    for domain, comparison in comparisons.items():
-        for key in ("mean", "low", "high", "p_worse"):
-            if isinstance(comparison.get(key), int | float):
-                scores[f"decision/{domain}/{key}"] = float(comparison[key])
+    decision = extra.get("decision") or {}
+    for against, prefix in (("comparisons", "decision"), ("origin_comparisons", "decision_origin")):
+        for domain, comparison in (decision.get(against) or {}).items():
+            for key in ("mean", "low", "high", "p_worse"):
+                if isinstance(comparison.get(key), int | float):
+                    scores[f"{prefix}/{domain}/{key}"] = float(comparison[key])
     return scores
 
 

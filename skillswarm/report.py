@@ -107,10 +107,11 @@ def score_rows(round_record: Mapping[str, Any]) -> tuple[list[str], list[tuple[s
     return domains, rows
 
 
-def decision_rows(round_record: Mapping[str, Any]) -> list[list[str]]:
+def decision_rows(round_record: Mapping[str, Any], against: str = "comparisons") -> list[list[str]]:
     """Per domain, the publication rule's paired difference candidate − base on the validation
-    tasks: [domain, "+12.5 [+4.7, +20.3]", n, p worse, p better, test]; [] without a decision."""
-    comparisons = (round_record.get("decision") or {}).get("comparisons") or {}
+    tasks (`against="origin_comparisons"`: candidate − round 0): [domain, metric,
+    "+12.5 [+4.7, +20.3]", n, p worse, p better, test]; [] without a decision."""
+    comparisons = (round_record.get("decision") or {}).get(against) or {}
     rows = []
     for domain, comparison in sorted(comparisons.items()):
         interval = (
@@ -305,15 +306,17 @@ def _round_section(record: Mapping[str, Any]) -> str:
         f"</b>{' · ' + html.escape(outcome) if outcome != '–' else ''}</p>"
         + _table(["model", *domains], [[label, *cells] for label, cells in rows])
     )
-    comparisons = decision_rows(record)
-    if comparisons:
-        section += (
-            f"<h3>Round {record['number']}: candidate − base on the validation tasks</h3>"
-            + _table(
-                ["domain", "metric", "difference (points)", "tasks", "p worse", "p better", "test"],
-                comparisons,
+    for against, versus in (("comparisons", "base"), ("origin_comparisons", "round 0")):
+        comparisons = decision_rows(record, against)
+        if comparisons:
+            section += (
+                f"<h3>Round {record['number']}: candidate − {versus} on the validation tasks</h3>"
+                + _table(
+                    ["domain", "metric", "difference (points)", "tasks", "p worse", "p better"]
+                    + ["test"],
+                    comparisons,
+                )
             )
-        )
     return section
 
 

@@ -84,10 +84,11 @@ def _scores_row(successes: int, n: int) -> dict[str, Any]:
 def _hold_round_on_hand_made_scores(coordinator: Coordinator, number: int) -> dict[str, Any]:
     """Record round `number` as held through the coordinator's own path, on hand-made scores
     (a merge worse than its base beyond noise needs a trained base and many tasks): the merged
-    candidate solves 2 of 16 math tasks where the base solves 12."""
+    candidate solves 2 of 16 math tasks where the base solves 12 and round 0 solved 10."""
     base = {"math": _scores_row(12, 16), "code": _scores_row(8, 16)}
     merged = {"math": _scores_row(2, 16), "code": _scores_row(8, 16)}
-    decision = publication_decision(base, merged, PublishPolicy())
+    origin = {"math": _scores_row(10, 16), "code": _scores_row(8, 16)}
+    decision = publication_decision(base, merged, PublishPolicy(), origin_scores=origin)
     assert not decision.publish
     coordinator.rounds.record_held(
         number,
@@ -185,7 +186,10 @@ def test_dashboard_shows_nodes_rounds_scores_held_rounds_and_curves(
         f"<td>expert:math:0123456789ab</td><td>–</td><td>{_cell(_scores_row(14, 16))}" in held_card
     )
     # The paired difference merged − base on math: 2 vs 12 of the same 16 tasks.
-    assert re.search(r"<td>math</td><td>-62\.5 \[-\d+\.\d, -\d+\.\d\]</td>", held_card)
+    against_base, against_origin = held_card.split("candidate − round 0 (points)", 1)
+    assert re.search(r"<td>math</td><td>-62\.5 \[-\d+\.\d, -\d+\.\d\]</td>", against_base)
+    # And merged − round 0: 2 vs 10.
+    assert re.search(r"<td>math</td><td>-50\.0 \[-\d+\.\d, -\d+\.\d\]</td>", against_origin)
 
     assert '<svg width="520" height="220" id="curves-svg">' in page
     assert 'data-domain="math"' in page

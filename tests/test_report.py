@@ -101,7 +101,9 @@ def _rounds() -> list[dict[str, Any]]:
         "error": None,
     }
     merged3 = {"math": _row(8), "code": _row(16)}
-    held_decision = publication_decision(merged2, merged3, PublishPolicy()).to_dict()
+    held_decision = publication_decision(
+        merged2, merged3, PublishPolicy(), origin_scores=base2
+    ).to_dict()
     held = {
         "number": 3,
         "status": "held",
@@ -188,7 +190,15 @@ def test_report_shows_intervals_the_verdict_held_rounds_and_the_lead_plot(tmp_pa
     round3 = page.split("Round 3: held-out success", 1)[1].split("<h2>", 1)[0]
     assert "held, not published" in round3 and held_reason in round3
     assert "merged (task_arithmetic, held, not published)" in round3
-    assert re.search(r"<td>math</td><td>success</td><td>-37\.5 \[-\d+\.\d, -\d+\.\d\]</td>", round3)
+    against_base, against_origin = round3.split("candidate − round 0", 1)
+    assert re.search(
+        r"<td>math</td><td>success</td><td>-37\.5 \[-\d+\.\d, -\d+\.\d\]</td>", against_base
+    )
+    # Against round 0 (12 of the same 32 tasks): −12.5 points.
+    assert re.search(
+        r"<td>math</td><td>success</td><td>-12\.5 \[-\d+\.\d, [-+]\d+\.\d\]</td>", against_origin
+    )
+    assert "candidate − round 0" not in round2
 
     round1 = page.split("Round 1: held-out success", 1)[1].split("Round 2:", 1)[0]
     assert "<td>37.5%</td>" in round1 and "[" not in round1  # an old round: no intervals

@@ -436,3 +436,22 @@ def test_the_coordinator_logs_each_decided_rounds_scores(tmp_path: Path, tiny_ba
     assert held["merged/math/mean_reward"] == pytest.approx(
         evaluation["merged"]["math"]["mean_reward"]
     )
+
+
+def test_round_scores_name_both_paired_comparisons() -> None:
+    """A round past round 1 records candidate − base and candidate − round 0; the tracker gets
+    each under its own prefix."""
+    comparison = {"mean": 0.05, "low": -0.01, "high": 0.11, "p_worse": 0.9, "n": 128}
+    origin = {"mean": -0.02, "low": -0.08, "high": 0.04, "p_worse": 0.3, "n": 128}
+    extra = {
+        "decision": {"comparisons": {"math": comparison}, "origin_comparisons": {"math": origin}}
+    }
+    scores = round_scores("published", extra)
+    for key in ("mean", "low", "high", "p_worse"):
+        assert scores[f"decision/math/{key}"] == comparison[key]
+        assert scores[f"decision_origin/math/{key}"] == origin[key]
+    assert scores["round/published"] == 1.0
+    assert not any(
+        k.startswith("decision_origin/")
+        for k in round_scores("held", {"decision": {"comparisons": {"math": comparison}}})
+    )
