@@ -44,11 +44,7 @@ from skillswarm.agent.stats import paired_difference
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, scores_row
 from skillswarm.coordinator.publication import publication_decision
-from skillswarm.coordinator.rounds import (
-    candidate_validation,
-    gate_by_own_domain,
-    merge_candidates,
-)
+from skillswarm.coordinator.rounds import gate_by_own_domain, merge_and_decide
 from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
 from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors
@@ -137,7 +133,7 @@ class Bench:
                 experts="own",
             ),
             outer=OuterOptimizerConfig(learning_rate=args.outer_lr, momentum=args.outer_momentum),
-            merge=MergePlan(own_domain_gate=not args.no_gate),
+            merge=MergePlan(own_domain_gate=not args.no_gate, subsets_on_hold=not args.no_subsets),
         )
         self.evaluator = Evaluator(self.config.eval)
         self.outer = OuterOptimizer(self.out / "coordinator" / "outer", self.config.outer)
@@ -261,33 +257,51 @@ class Bench:
             shutil.rmtree(work, ignore_errors=True)
             return base_dir
         self.log(f"round {number}: merging")
-        merged = merge_candidates(
-            self.config.merge.specs(),
-            base_dir,
-            [TaskVector(name=e.domain, expert=e.reader.expert) for e in merging],
-            work,
-            self.evaluator,
-        )
-        chosen, candidates = merged.spec, merged.records
-        candidate_dir = self.outer.step(base_id, base_dir, merged.folder, work / "stepped", number)
         origin = self.out / "round-0"
-        decision = publication_decision(
-            self.evaluator.validation_scores(base_dir, cache_as=base_id),
-            candidate_validation(merged, candidate_dir, self.evaluator),
-            self.config.publish,
-            self.config.eval.level,
-            origin_scores=(
-                None
-                if base_dir == origin
-                else self.evaluator.validation_scores(origin, cache_as=folder_id(origin))
-            ),
+        base_scores = self.evaluator.validation_scores(base_dir, cache_as=base_id)
+        origin_scores = (
+            None
+            if base_dir == origin
+            else self.evaluator.validation_scores(origin, cache_as=folder_id(origin))
         )
+
+        def decide(candidate_scores: Any) -> Any:
+            return publication_decision(
+                base_scores,
+                candidate_scores,
+                self.config.publish,
+                self.config.eval.level,
+                origin_scores=origin_scores,
+            )
+
+        verdict = merge_and_decide(
+            self.config.merge,
+            self.evaluator,
+            self.outer,
+            base_id,
+            base_dir,
+            merging,
+            work,
+            number,
+            decide,
+            lambda e: TaskVector(name=e.domain, expert=e.reader.expert),
+        )
+        chosen, candidates = verdict.merged.spec, verdict.merged.records
+        decision, candidate_dir = verdict.decision, verdict.candidate_dir
+        for subset in verdict.subsets:
+            self.log(
+                f"round {number}: subset {[label.split(':')[-1] for label in subset['merged']]}: "
+                f"{'passes' if subset['publish'] else 'held'} (validation mean reward "
+                f"{subset['score']:.3f})"
+            )
         table = self.evaluator.evaluation_table(base_id, base_dir, inputs, candidate_dir, work)
         self.decisions.append(
             {
                 "round": number,
                 "chosen": chosen.model_dump(),
                 "candidates": candidates,
+                "merged": [e.domain for e in verdict.merging],
+                "subsets": verdict.subsets,
                 **decision.to_dict(),
                 "gate": gate,
                 "experts_own_domain": {
@@ -298,7 +312,8 @@ class Bench:
         )
         self.log(
             f"round {number}: {'published' if decision.publish else 'held'} "
-            f"({chosen.method} {chosen.parameters}): {decision.reason}"
+            f"({chosen.method} {chosen.parameters} of {[e.domain for e in verdict.merging]}): "
+            f"{decision.reason}"
         )
         if decision.publish:
             next_dir = self.out / f"round-{number}"
@@ -462,6 +477,12 @@ def main() -> int:
         action="store_true",
         help="merge every delta, without the coordinator's own-domain gate (which leaves out a "
         "delta that scores below the base on its own domain's validation tasks)",
+    )
+    parser.add_argument(
+        "--no-subsets",
+        action="store_true",
+        help="hold a round whose merge the publication rule refuses, without trying the merge "
+        "again with a delta left out (the coordinator's subsets_on_hold)",
     )
     parser.add_argument(
         "--outer-lr", type=float, default=1.0, help="the outer optimizer's learning rate"

@@ -170,6 +170,8 @@ class MergePlan(MergeSpec):
     it; what each method measured: docs/merging.md. Before any of it, the own-domain gate leaves
     out the deltas that lower their own domain's score on the validation tasks: RL that lowers
     its own skill has nothing to give the merge, and merging it lowers that skill in the swarm.
+    After it, a merge the publication rule holds is tried again without each delta in turn: one
+    domain's delta often lowers another domain, and the others' gains need not wait a round.
     """
 
     candidates: list[MergeSpec] = Field(default_factory=_default_candidates)
@@ -178,6 +180,13 @@ class MergePlan(MergeSpec):
         description="before merging, score each delta applied alone on its own domain's "
         "validation tasks and leave out of the merge any that scores below the base there "
         "(mean reward); a round whose every delta is left out is held",
+    )
+    subsets_on_hold: bool = Field(
+        default=True,
+        description="when the publication rule holds the merge of a round's deltas, merge "
+        "them again leaving one out at a time (the chosen spec, each subset scored on the "
+        "validation tasks and put to the same rule) and publish the best subset that passes; "
+        "if none does, go on from the best-scoring subset until one delta is left",
     )
 
     @model_validator(mode="before")
@@ -194,7 +203,9 @@ class MergePlan(MergeSpec):
 
     def specs(self) -> list[MergeSpec]:
         """This spec and the candidates, without repeats, in order."""
-        own = MergeSpec.model_validate(self.model_dump(exclude={"candidates", "own_domain_gate"}))
+        own = MergeSpec.model_validate(
+            self.model_dump(exclude={"candidates", "own_domain_gate", "subsets_on_hold"})
+        )
         unique: list[MergeSpec] = []
         for spec in [own, *self.candidates]:
             if spec not in unique:

@@ -23,7 +23,7 @@ from skillswarm.coordinator.evaluation import (
     mean_reward,
 )
 from skillswarm.coordinator.fanout import Fanout
-from skillswarm.coordinator.publication import publication_decision
+from skillswarm.coordinator.publication import Decision, publication_decision
 from skillswarm.coordinator.registry import CheckpointInfo, Registry, RevisionNotFound
 from skillswarm.coordinator.store import (
     CheckpointRecord,
@@ -355,31 +355,44 @@ class Rounds:
                 self.record_held(number, base_id, extra)
                 log.warning("round %d held: %s", number, extra["decision"]["reason"])
                 return None
-            names = {e.label: r.id[:16] for e, r in zip(expert_inputs, accepted, strict=True)}
-            experts = [TaskVector(name=names[e.label], expert=e.reader.expert) for e in merging]
-            merged = merge_candidates(plan.specs(), base_dir, experts, work, self.evaluator)
-            chosen, candidates = merged.spec, merged.records
-            candidate_dir = self.outer.step(
-                base.id, base_dir, merged.folder, work / "stepped", number
+            ids = {e.label: r.id for e, r in zip(expert_inputs, accepted, strict=True)}
+            base_scores = self.evaluator.validation_scores(base_dir, cache_as=base.id)
+            origin_scores = self.origin_validation(base.id)
+
+            def decide(candidate_scores: Mapping[str, Mapping[str, Any]]) -> Decision:
+                return publication_decision(
+                    base_scores,
+                    candidate_scores,
+                    self.config.publish,
+                    self.config.eval.level,
+                    origin_scores=origin_scores,
+                )
+
+            verdict = merge_and_decide(
+                plan,
+                self.evaluator,
+                self.outer,
+                base.id,
+                base_dir,
+                merging,
+                work,
+                number,
+                decide,
+                lambda e: TaskVector(name=ids[e.label][:16], expert=e.reader.expert),
             )
+            chosen, decision = verdict.merged.spec, verdict.decision
             evaluation = self.evaluator.evaluation_table(
-                base.id, base_dir, expert_inputs, candidate_dir, work
-            )
-            decision = publication_decision(
-                self.evaluator.validation_scores(base_dir, cache_as=base.id),
-                candidate_validation(merged, candidate_dir, self.evaluator),
-                self.config.publish,
-                self.config.eval.level,
-                origin_scores=self.origin_validation(base.id),
+                base.id, base_dir, expert_inputs, verdict.candidate_dir, work
             )
             extra = {
                 "inputs": [d.id for d in accepted],
+                "merged_inputs": [ids[e.label] for e in verdict.merging],
                 "evaluation": evaluation,
                 "merge_spec": chosen.model_dump(),
-                "candidates": candidates,
+                "candidates": verdict.merged.records,
                 "trigger": trigger,
                 "merge_seconds": round(time.monotonic() - started, 3),
-                "decision": decision.to_dict() | {"gate": gate},
+                "decision": decision.to_dict() | {"gate": gate, "subsets": verdict.subsets},
                 "outer": self.config.outer.model_dump(),
             }
             if not decision.publish:
@@ -388,7 +401,11 @@ class Rounds:
                 log.warning("round %d held: %s", number, decision.reason)
                 return None
             info = self.registry.publish(
-                candidate_dir, round=number, parent=base.id, method=chosen.method, extra=extra
+                verdict.candidate_dir,
+                round=number,
+                parent=base.id,
+                method=chosen.method,
+                extra=extra,
             )
         except Exception as exc:  # any failure ends the round on record, never half-published
             self.outer.discard()
@@ -628,6 +645,80 @@ def candidate_validation(
     if merged.validation is not None and candidate_dir == merged.folder:
         return merged.validation
     return evaluator.validation_scores(candidate_dir)
+
+
+@dataclass
+class Verdict:
+    """What a round publishes or holds: the deltas in its candidate, the merge (spec, folder,
+    candidates), the checkpoint to publish (after the outer step), the publication rule's
+    decision on it, and the subsets tried after a hold (`merge_and_decide`)."""
+
+    merging: list[ExpertInput]
+    merged: Candidates
+    candidate_dir: Path
+    decision: Decision
+    subsets: list[dict[str, Any]]
+
+
+def merge_and_decide(
+    plan: MergePlan,
+    evaluator: Evaluator,
+    outer: OuterOptimizer,
+    base_id: str,
+    base_dir: Path,
+    merging: Sequence[ExpertInput],
+    work: Path,
+    number: int,
+    decide: Callable[[Mapping[str, Mapping[str, Any]]], Decision],
+    task_vector: Callable[[ExpertInput], TaskVector],
+) -> Verdict:
+    """Merge `merging` by the plan's specs, take the outer step and put the candidate's
+    validation scores to `decide` (the publication rule). When it holds and the plan says
+    `subsets_on_hold`, merge again without each delta in turn (the chosen spec), score each
+    subset on the validation tasks and put it to the same rule: the best-scoring subset that
+    passes is the verdict; if none passes, the same from the best-scoring subset, until one
+    delta is left. With no subset passing, the verdict is the full merge's hold."""
+    experts = list(merging)
+    merged = merge_candidates(
+        plan.specs(), base_dir, [task_vector(e) for e in experts], work, evaluator
+    )
+    candidate_dir = outer.step(base_id, base_dir, merged.folder, work / "stepped", number)
+    decision = decide(candidate_validation(merged, candidate_dir, evaluator))
+    held = Verdict(experts, merged, candidate_dir, decision, [])
+    if decision.publish or not plan.subsets_on_hold:
+        return held
+    current = experts
+    while len(current) > 1:
+        tries = []
+        for index in range(len(current)):
+            subset = current[:index] + current[index + 1 :]
+            folder = work / f"subset-{len(held.subsets)}"
+            sub = merge_candidates(
+                [merged.spec], base_dir, [task_vector(e) for e in subset], folder, evaluator
+            )
+            stepped = outer.step(base_id, base_dir, sub.folder, folder / "stepped", number)
+            scores = evaluator.validation_scores(stepped)
+            verdict = decide(scores)
+            score = sum(mean_reward(row) for row in scores.values()) / len(scores)
+            held.subsets.append(
+                {
+                    "merged": [e.label for e in subset],
+                    "score": score,
+                    "publish": verdict.publish,
+                    "reason": verdict.reason,
+                }
+            )
+            tries.append((score, subset, Candidates(sub.spec, sub.folder, [], scores), verdict))
+        passing = [t for t in tries if t[3].publish]
+        score, subset, sub, verdict = max(passing or tries, key=lambda t: t[0])
+        if passing:
+            log.info("round %d: the merge of %s passes the rule", number, [e.label for e in subset])
+            # the outer optimizer's pending state must be this subset's: step it once more
+            stepped = outer.step(base_id, base_dir, sub.folder, work / "chosen-stepped", number)
+            chosen = Candidates(sub.spec, sub.folder, merged.records, sub.validation)
+            return Verdict(subset, chosen, stepped, verdict, held.subsets)
+        current = subset
+    return held
 
 
 def _without_outcomes(scores: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -16,7 +16,7 @@ from skillswarm.agent.model import (
     save_tokenizer,
     set_torch_threads,
 )
-from skillswarm.node.pretrain import copy_pretraining, corpus_words
+from skillswarm.node.pretrain import COPY_TARGET_ACCURACY, copy_pretraining, corpus_words
 from skillswarm.node.train import check_mix_weights, supervised_warm_start
 from transformers import PreTrainedTokenizerBase
 
@@ -97,12 +97,14 @@ def create_base_checkpoint(
     on_step: Callable[[int, float], None] | None = None,
     copy_steps: int = 0,
     on_copy_check: Callable[[int, float], None] | None = None,
+    copy_target: float = COPY_TARGET_ACCURACY,
 ) -> Path:
     """Build the tokenizer and tiny model, warm-start them on the domains' solver demonstrations
     and save a Hugging Face folder at `out_dir`. `domain_weights` sets each domain's share of the
     demonstrations (a domain not named weighs 1; None: equal shares). With `copy_steps`, the model
     is first copy-pretrained (`node.pretrain`) for at most that many steps, on the words of the
-    tokenizer's corpus; `on_copy_check(step, accuracy)` sees its checks. The same seed and thread
+    tokenizer's corpus, stopping once it copies `copy_target` of a held-out batch's repeated
+    tokens right; `on_copy_check(step, accuracy)` sees its checks. The same seed and thread
     count give the same checkpoint."""
     weights = None
     if domain_weights is not None:  # checked before the minutes of tokenizer and warm start
@@ -123,7 +125,13 @@ def create_base_checkpoint(
     if copy_steps:
         words = corpus_words(corpus[len(TEMPLATE_FIXED_STRINGS) :])
         copied = copy_pretraining(
-            model, tokenizer, words, copy_steps, seed=seed, on_check=on_copy_check
+            model,
+            tokenizer,
+            words,
+            copy_steps,
+            seed=seed,
+            on_check=on_copy_check,
+            target_accuracy=copy_target,
         )
     losses = supervised_warm_start(
         model,
@@ -148,6 +156,7 @@ def create_base_checkpoint(
         "warm_start_batch_size": warm_start_batch_size,
         "warm_start_lr": warm_start_lr,
         "warm_start_final_loss": losses[-1] if losses else None,
+        "copy_target": None if copied is None else copy_target,
         "copy_pretraining_steps": 0 if copied is None else copied.steps,
         "copy_accuracy": None if copied is None else copied.accuracy,
         "built_with": _versions(),

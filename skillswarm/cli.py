@@ -280,6 +280,15 @@ def bootstrap(
             "copies well; 0: none [default: the recommended budget]",
         ),
     ] = None,
+    copy_target: Annotated[
+        float | None,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="share of a held-out batch's repeated tokens copied right at which copy "
+            "pretraining stops [default: the recommended target]",
+        ),
+    ] = None,
     seed: int = 0,
     eval_tasks: Annotated[int, typer.Option(min=0, help="held-out tasks per domain; 0: skip")] = 64,
     threads: Annotated[
@@ -331,10 +340,12 @@ def bootstrap(
         steps = MULTI_DOMAIN_WARM_START_STEPS
     if copy_steps is None:
         copy_steps = MULTI_DOMAIN_COPY_STEPS
+    if copy_target is None:
+        copy_target = COPY_TARGET_ACCURACY
     try:
         described = ", ".join(f"{d} ×{shares.get(d, 1.0):g}" for d in chosen)
         console.print(
-            f"building the base on {described} (copy pretraining until {COPY_TARGET_ACCURACY:.0%} "
+            f"building the base on {described} (copy pretraining until {copy_target:.0%} "
             f"of a held-out batch is copied right, at most {copy_steps} steps; then {steps} "
             "warm-start steps)…"
         )
@@ -369,6 +380,7 @@ def bootstrap(
                 on_step=warm_step,
                 copy_steps=copy_steps,
                 on_copy_check=copy_checked,
+                copy_target=copy_target,
             )
     except UnknownEnvironmentError as exc:
         _fail(exc)

@@ -23,6 +23,7 @@ from skillswarm.coordinator.config import (
 from skillswarm.coordinator.publication import compare_rows, publication_decision
 from skillswarm.coordinator.service import Coordinator
 from skillswarm.coordinator.store import DeltaRecord
+from skillswarm.merge.outer import OuterOptimizerConfig, load_state
 from skillswarm.protocol.identity import load_or_create_identity
 
 
@@ -110,7 +111,14 @@ def _degraded(base_dir: Path, out: Path, scale: float = 0.5, seed: int = 0) -> P
     return out
 
 
-def _coordinator(tmp_path: Path, base: Path, gate: bool = False, quorum: int = 1) -> Coordinator:
+def _coordinator(
+    tmp_path: Path,
+    base: Path,
+    gate: bool = False,
+    quorum: int = 1,
+    subsets: bool = True,
+    outer: OuterOptimizerConfig | None = None,
+) -> Coordinator:
     """A coordinator scoring math on 24 validation tasks; the own-domain gate off unless asked,
     so that the publication rule alone judges the merge."""
     config = CoordinatorConfig(
@@ -119,7 +127,8 @@ def _coordinator(tmp_path: Path, base: Path, gate: bool = False, quorum: int = 1
         base_checkpoint=base,
         round=RoundPolicy(min_deltas=quorum),
         eval=EvalConfig(domains=["math"], n_tasks=24, experts="none"),
-        merge=MergePlan(own_domain_gate=gate),
+        merge=MergePlan(own_domain_gate=gate, subsets_on_hold=subsets),
+        outer=outer or OuterOptimizerConfig(),
     )
     coordinator = Coordinator(config)
     coordinator.prepare()
@@ -182,7 +191,7 @@ def test_a_delta_that_lowers_its_own_domain_is_left_out_of_the_merge(tmp_path, t
         harmful = hand_in_delta(both, harmful_key, current_base_tensors_of(degraded))
         published = both.rounds.round_record(1)
         assert published["status"] == "published", published["error"]
-        assert published["inputs"] == [harmless.id, harmful.id]  # both on record
+        assert published["inputs"] == [harmful.id, harmless.id]  # both on record
         gate = {entry["label"].rsplit(":", 1)[1]: entry for entry in published["decision"]["gate"]}
         kept, left_out = gate[harmless.id[:12]], gate[harmful.id[:12]]
         assert kept["kept"] and kept["expert"] >= kept["base"]
@@ -235,3 +244,59 @@ def test_from_round_two_a_candidate_is_also_compared_with_round_zero(tmp_path, t
         assert coordinator.current_base().id == round_one_id != origin_id
     finally:
         coordinator.store.close()
+
+
+def test_a_held_merge_is_tried_again_without_each_delta_and_the_passing_subset_published(
+    tmp_path, tiny_base
+):
+    """Two deltas, the gate off: one harmless, one that wrecks math. Their merge is held; merged
+    again without each in turn, the harmless one alone passes and is published, its tensors the
+    base plus the outer step on its delta at the chosen spec's weight. With subsets_on_hold off
+    the round is held."""
+    wrecked = _degraded(tiny_base, tmp_path / "wrecked", scale=0.9)
+    harmless_key = load_or_create_identity(tmp_path / "harmless.key")
+    harmful_key = load_or_create_identity(tmp_path / "harmful.key")
+
+    # Nesterov momentum 0.5: the published step is 1.5 g, and the momentum kept is g, of the
+    # subset that passed, not of the last merge tried.
+    outer = OuterOptimizerConfig(momentum=0.5)
+    coordinator = _coordinator(tmp_path / "subsets", tiny_base, quorum=2, outer=outer)
+    try:
+        base = current_base_tensors(coordinator)
+        tuned = noisy(base, seed=1)
+        # The harmful delta first: its subset is tried last, after the one that passes.
+        harmful = hand_in_delta(coordinator, harmful_key, current_base_tensors_of(wrecked))
+        harmless = hand_in_delta(coordinator, harmless_key, tuned, base=base)
+        published = coordinator.rounds.round_record(1)
+        assert published["status"] == "published", published
+        decision = published["decision"]
+        subsets = decision["subsets"]
+        assert [len(s["merged"]) for s in subsets] == [1, 1]
+        passing = [s for s in subsets if s["publish"]]
+        assert len(passing) == 1 and passing[0]["merged"][0].endswith(harmless.id[:12])
+        held = next(s for s in subsets if not s["publish"])
+        assert held["merged"][0].endswith(harmful.id[:12]) and "math" in held["reason"]
+        assert decision["publish"] and decision["comparisons"]["math"]["p_worse"] >= 0.05
+        assert published["inputs"] == [harmful.id, harmless.id]  # both on record
+        weight = published["method"]["parameters"]["weight"]
+        merged = current_base_tensors(coordinator)
+        momentum = load_state(coordinator.rounds.outer.state_dir, published["checkpoint_id"])
+        assert momentum is not None
+        for name, tensor in base.items():
+            g = weight * (tuned[name] - tensor)
+            assert torch.allclose(merged[name], tensor + 1.5 * g, atol=1e-6), name
+            assert torch.allclose(momentum[name], g, atol=1e-6), name
+    finally:
+        coordinator.store.close()
+
+    without = _coordinator(tmp_path / "no-subsets", tiny_base, quorum=2, subsets=False)
+    try:
+        base_id = without.current_base().id
+        hand_in_delta(without, harmless_key, noisy(current_base_tensors(without), seed=1))
+        hand_in_delta(without, harmful_key, current_base_tensors_of(wrecked))
+        held_round = without.rounds.round_record(1)
+        assert held_round["status"] == "held", held_round
+        assert held_round["decision"]["subsets"] == []
+        assert without.current_base().id == base_id
+    finally:
+        without.store.close()
