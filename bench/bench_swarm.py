@@ -16,7 +16,7 @@ intervals, and at the end each arm's paired difference with the base (bootstrap 
 swarm's retention (swarm − base) / (expert − base) and swarm − mixed. Writes `swarm.png` (success
 per domain per round for every arm) and `results.json` into --out.
 
-Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=30,code=8,search=10]
+Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=90,code=16,search=10]
 [--eval-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm] [--outer-lr 1]
 [--outer-momentum 0]`. Without --base it uses the
 embedded base shipped in the package (`skillswarm bootstrap` rebuilds one). `--help` prints the
@@ -55,7 +55,10 @@ from skillswarm.protocol.delta import DeltaReader, pack_delta
 from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
 
 DOMAINS = ("math", "code", "search")
-DEFAULT_STEPS = {d: recipe_for(d).steps for d in DOMAINS}
+# About 1.2 minutes of one node on 2 cores per domain per round (a math step is the cheapest, a
+# search step the dearest): the recipes' steps a round, math's tripled and code's doubled.
+DEFAULT_STEPS = {"math": 3 * recipe_for("math").steps, "code": 2 * recipe_for("code").steps}
+DEFAULT_STEPS["search"] = recipe_for("search").steps
 ARMS = ("base", "swarm", "experts", "mixed")
 
 
@@ -455,7 +458,9 @@ def main() -> int:
         "--steps",
         type=parse_steps,
         default=dict(DEFAULT_STEPS),
-        help="RL steps per node per round, per domain (default math=30,code=8,search=10): "
+        help="RL steps per node per round, per domain (default "
+        + ",".join(f"{d}={n}" for d, n in DEFAULT_STEPS.items())
+        + "): "
         "each round the swarm trains these on three nodes, each expert trains its own, and "
         "the mixed model trains all of them in turn; so every arm but the base spends "
         "rounds × (sum of these) steps in all",
