@@ -20,11 +20,17 @@ from skillswarm.coordinator.config import (
     PublishPolicy,
     RoundPolicy,
 )
-from skillswarm.coordinator.publication import compare_rows, publication_decision
+from skillswarm.coordinator.evaluation import Evaluator, ExpertInput
+from skillswarm.coordinator.publication import Decision, compare_rows, publication_decision
+from skillswarm.coordinator.rounds import merge_and_decide
 from skillswarm.coordinator.service import Coordinator
 from skillswarm.coordinator.store import DeltaRecord
-from skillswarm.merge.outer import OuterOptimizerConfig, load_state
-from skillswarm.protocol.identity import load_or_create_identity
+from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig, load_state
+from skillswarm.merge.streaming import TaskVector
+from skillswarm.merge.tensors import iter_base_tensors
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.delta import DeltaReader, pack_delta
+from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
 
 
 def _row(successes: list[int]) -> dict:
@@ -300,3 +306,72 @@ def test_a_held_merge_is_tried_again_without_each_delta_and_the_passing_subset_p
         assert without.current_base().id == base_id
     finally:
         without.store.close()
+
+
+def test_subsets_are_searched_down_to_one_delta_from_the_best_scoring_subset(tmp_path, tiny_base):
+    """Three deltas; a scripted rule holds the full merge and every pair, and passes only the
+    second single tried. The search goes on from the best-scoring pair, so the singles it tries
+    are that pair's, and the verdict merges that single delta, the outer step its folder."""
+    key = load_or_create_identity(tmp_path / "node.key")
+    base = dict(iter_base_tensors(tiny_base))
+    blobs = BlobStore(tmp_path / "blobs")
+    experts = []
+    for index, domain in enumerate(("math", "code", "search")):
+        manifest = pack_delta(
+            base,
+            noisy(base, seed=index, scale=1e-4),
+            blobs,
+            peer_id=peer_id_of(key),
+            public_key=public_key_bytes(key),
+            domain=domain,
+            base_id="b" * 64,
+            round=1,
+            steps=1,
+        )
+        experts.append(ExpertInput(f"expert:{domain}", domain, DeltaReader(manifest, blobs)))
+    evaluator = Evaluator(EvalConfig(domains=["math"], n_tasks=4))
+    calls: list[int] = []
+
+    def decide(scores):
+        calls.append(len(calls))
+        publish = len(calls) == 6  # 1 full merge, 3 pairs, then the second single
+        return Decision(publish, "passes" if publish else "held by the script")
+
+    work = tmp_path / "work"
+    work.mkdir()
+    verdict = merge_and_decide(
+        MergePlan(),
+        evaluator,
+        OuterOptimizer(tmp_path / "outer", OuterOptimizerConfig()),
+        "b" * 64,
+        tiny_base,
+        experts,
+        work,
+        1,
+        decide,
+        lambda e: TaskVector(name=e.domain, expert=e.reader.expert),
+    )
+    subsets = verdict.subsets
+    assert len(subsets) == 5 and len(calls) == 6
+    pairs, singles = subsets[:3], subsets[3:]
+    assert [s["merged"] for s in pairs] == [
+        ["expert:code", "expert:search"],
+        ["expert:math", "expert:search"],
+        ["expert:math", "expert:code"],
+    ]
+    best_pair = max(pairs, key=lambda s: s["score"])["merged"]
+    assert [s["merged"] for s in singles] == [best_pair[1:], best_pair[:1]]
+    assert [s["publish"] for s in subsets] == [False] * 4 + [True]
+    assert verdict.decision.publish and [e.label for e in verdict.merging] == best_pair[:1]
+    assert verdict.candidate_dir == verdict.merged.folder  # an identity outer step
+    assert verdict.merged.spec in MergePlan().specs()
+
+    calls.clear()
+    plan = MergePlan(subsets_on_hold=False)
+    held = merge_and_decide(
+        plan, evaluator, OuterOptimizer(tmp_path / "outer2", OuterOptimizerConfig()), "b" * 64,
+        tiny_base, experts, tmp_path / "work2", 1, decide,
+        lambda e: TaskVector(name=e.domain, expert=e.reader.expert),
+    )  # fmt: skip
+    assert not held.decision.publish and held.subsets == [] and len(calls) == 1
+    assert len(held.merging) == 3
