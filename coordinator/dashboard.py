@@ -126,6 +126,11 @@ function decisionBlock(round) {
   return el("div", {class: "decision"},
     el("div", {class: decision.publish ? "status-published" : "status-held"},
       (decision.publish ? "publish: " : "held: ") + decision.reason),
+    (decision.subsets || []).length ? table(
+      ["merged again without a delta", "validation mean reward", "verdict"],
+      decision.subsets.map((s) => [(s.merged || []).join(", "),
+        typeof s.score === "number" ? s.score.toFixed(3) : "–",
+        (s.publish ? "passes: " : "held: ") + (s.reason || "")])) : "",
     comparisonTable(decision.comparisons, "base"),
     comparisonTable(decision.origin_comparisons, "round 0"));
 }

@@ -306,6 +306,21 @@ def _round_section(record: Mapping[str, Any]) -> str:
         f"</b>{' · ' + html.escape(outcome) if outcome != '–' else ''}</p>"
         + _table(["model", *domains], [[label, *cells] for label, cells in rows])
     )
+    subsets = (record.get("decision") or {}).get("subsets") or []
+    if subsets:
+        section += f"<h3>Round {record['number']}: the held merge, tried again without a delta</h3>"
+        section += _table(
+            ["deltas merged", "validation mean reward", "verdict"],
+            [
+                [
+                    ", ".join(str(label) for label in subset.get("merged") or []),
+                    "–" if _number(subset.get("score")) is None else f"{subset['score']:.3f}",
+                    ("passes: " if subset.get("publish") else "held: ")
+                    + str(subset.get("reason", "")),
+                ]
+                for subset in subsets
+            ],
+        )
     for against, versus in (("comparisons", "base"), ("origin_comparisons", "round 0")):
         comparisons = decision_rows(record, against)
         if comparisons:

@@ -103,7 +103,17 @@ def _hold_round_on_hand_made_scores(coordinator: Coordinator, number: int) -> di
             "candidates": [],
             "merge_spec": {"method": "ties"},
             "merge_seconds": 0.5,
-            "decision": decision.to_dict(),
+            "decision": decision.to_dict()
+            | {
+                "subsets": [
+                    {
+                        "merged": ["expert:math:0123456789ab"],
+                        "score": 0.125,
+                        "publish": False,
+                        "reason": "worse on math",
+                    }
+                ]
+            },
         },
     )
     return coordinator.round_record(number)
@@ -186,6 +196,9 @@ def test_dashboard_shows_nodes_rounds_scores_held_rounds_and_curves(
         f"<td>expert:math:0123456789ab</td><td>–</td><td>{_cell(_scores_row(14, 16))}" in held_card
     )
     # The paired difference merged − base on math: 2 vs 12 of the same 16 tasks.
+    assert (
+        "<td>expert:math:0123456789ab</td><td>0.125</td><td>held: worse on math</td>" in held_card
+    )
     against_base, against_origin = held_card.split("candidate − round 0 (points)", 1)
     assert re.search(r"<td>math</td><td>-62\.5 \[-\d+\.\d, -\d+\.\d\]</td>", against_base)
     # And merged − round 0: 2 vs 10.

@@ -97,7 +97,13 @@ def _rounds() -> list[dict[str, Any]]:
         ],
         "trigger": "quorum",
         "checkpoint_id": "d" * 64,
-        "decision": publication_decision(base2, merged2, PublishPolicy()).to_dict(),
+        "decision": publication_decision(base2, merged2, PublishPolicy()).to_dict()
+        | {
+            "subsets": [
+                {"merged": ["expert:code:c"], "score": 0.25, "publish": False, "reason": "no"},
+                {"merged": ["expert:math:b"], "score": 0.625, "publish": True, "reason": "ok"},
+            ]
+        },
         "error": None,
     }
     merged3 = {"math": _row(8), "code": _row(16)}
@@ -199,6 +205,10 @@ def test_report_shows_intervals_the_verdict_held_rounds_and_the_lead_plot(tmp_pa
         r"<td>math</td><td>success</td><td>-12\.5 \[-\d+\.\d, [-+]\d+\.\d\]</td>", against_origin
     )
     assert "candidate − round 0" not in round2
+    tried = round2.split("tried again without a delta", 1)[1].split("</table>", 1)[0]
+    assert "<td>expert:code:c</td><td>0.250</td><td>held: no</td>" in tried
+    assert "<td>expert:math:b</td><td>0.625</td><td>passes: ok</td>" in tried
+    assert "tried again without a delta" not in round3
 
     round1 = page.split("Round 1: held-out success", 1)[1].split("Round 2:", 1)[0]
     assert "<td>37.5%</td>" in round1 and "[" not in round1  # an old round: no intervals
