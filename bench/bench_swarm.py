@@ -43,7 +43,7 @@ from skillswarm.agent.model import load_policy, set_torch_threads
 from skillswarm.agent.stats import paired_difference
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, scores_row
-from skillswarm.coordinator.publication import publication_decision
+from skillswarm.coordinator.publication import publication_rule
 from skillswarm.coordinator.rounds import gate_by_own_domain, merge_and_decide
 from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
 from skillswarm.merge.streaming import TaskVector
@@ -261,22 +261,16 @@ class Bench:
             return base_dir
         self.log(f"round {number}: merging")
         origin = self.out / "round-0"
-        base_scores = self.evaluator.validation_scores(base_dir, cache_as=base_id)
-        origin_scores = (
-            None
-            if base_dir == origin
-            else self.evaluator.validation_scores(origin, cache_as=folder_id(origin))
+        decide = publication_rule(
+            self.evaluator.validation_scores(base_dir, cache_as=base_id),
+            self.config.publish,
+            self.config.eval.level,
+            origin_scores=(
+                None
+                if base_dir == origin
+                else self.evaluator.validation_scores(origin, cache_as=folder_id(origin))
+            ),
         )
-
-        def decide(candidate_scores: Any) -> Any:
-            return publication_decision(
-                base_scores,
-                candidate_scores,
-                self.config.publish,
-                self.config.eval.level,
-                origin_scores=origin_scores,
-            )
-
         verdict = merge_and_decide(
             self.config.merge,
             self.evaluator,

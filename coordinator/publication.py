@@ -4,7 +4,7 @@ domain to the candidate's and the base's outcomes on the same held-out tasks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,3 +121,20 @@ def publication_decision(
     return Decision(
         True, f"not worse than {against} on any domain", comparisons, origin_comparisons
     )
+
+
+def publication_rule(
+    base_scores: Mapping[str, Mapping[str, Any]],
+    policy: PublishPolicy,
+    level: float = 0.95,
+    origin_scores: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Callable[[Mapping[str, Mapping[str, Any]]], Decision]:
+    """`publication_decision` against these base (and origin) scores, as a function of a
+    candidate's scores: the rule a round puts each of its candidates to."""
+
+    def decide(candidate_scores: Mapping[str, Mapping[str, Any]]) -> Decision:
+        return publication_decision(
+            base_scores, candidate_scores, policy, level, origin_scores=origin_scores
+        )
+
+    return decide

@@ -23,7 +23,7 @@ from skillswarm.coordinator.evaluation import (
     mean_reward,
 )
 from skillswarm.coordinator.fanout import Fanout
-from skillswarm.coordinator.publication import Decision, publication_decision
+from skillswarm.coordinator.publication import Decision, publication_rule
 from skillswarm.coordinator.registry import CheckpointInfo, Registry, RevisionNotFound
 from skillswarm.coordinator.store import (
     CheckpointRecord,
@@ -356,18 +356,12 @@ class Rounds:
                 log.warning("round %d held: %s", number, extra["decision"]["reason"])
                 return None
             ids = {e.label: r.id for e, r in zip(expert_inputs, accepted, strict=True)}
-            base_scores = self.evaluator.validation_scores(base_dir, cache_as=base.id)
-            origin_scores = self.origin_validation(base.id)
-
-            def decide(candidate_scores: Mapping[str, Mapping[str, Any]]) -> Decision:
-                return publication_decision(
-                    base_scores,
-                    candidate_scores,
-                    self.config.publish,
-                    self.config.eval.level,
-                    origin_scores=origin_scores,
-                )
-
+            decide = publication_rule(
+                self.evaluator.validation_scores(base_dir, cache_as=base.id),
+                self.config.publish,
+                self.config.eval.level,
+                origin_scores=self.origin_validation(base.id),
+            )
             verdict = merge_and_decide(
                 plan,
                 self.evaluator,

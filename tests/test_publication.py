@@ -197,7 +197,7 @@ def test_a_delta_that_lowers_its_own_domain_is_left_out_of_the_merge(tmp_path, t
         harmful = hand_in_delta(both, harmful_key, current_base_tensors_of(degraded))
         published = both.rounds.round_record(1)
         assert published["status"] == "published", published["error"]
-        assert published["inputs"] == [harmful.id, harmless.id]  # both on record
+        assert published["inputs"] == [harmless.id, harmful.id]  # both on record
         gate = {entry["label"].rsplit(":", 1)[1]: entry for entry in published["decision"]["gate"]}
         kept, left_out = gate[harmless.id[:12]], gate[harmful.id[:12]]
         assert kept["kept"] and kept["expert"] >= kept["base"]
