@@ -683,7 +683,10 @@ def merge_and_decide(
         return held
     current = experts
     while len(current) > 1:
-        tries = []
+        # The best try so far (one that passes before any that does not, then the higher mean
+        # reward, ties to the earlier); every other try's checkpoints are deleted at once, so a
+        # large model's disk holds at most two subsets at a time.
+        best: tuple[tuple[bool, float], list[ExpertInput], Candidates, Decision, Path] | None = None
         for index in range(len(current)):
             subset = current[:index] + current[index + 1 :]
             folder = work / f"subset-{len(held.subsets)}"
@@ -702,15 +705,22 @@ def merge_and_decide(
                     "reason": verdict.reason,
                 }
             )
-            tries.append((score, subset, Candidates(sub.spec, sub.folder, [], scores), verdict))
-        passing = [t for t in tries if t[3].publish]
-        score, subset, sub, verdict = max(passing or tries, key=lambda t: t[0])
-        if passing:
+            rank = (verdict.publish, score)
+            if best is None or rank > best[0]:
+                if best is not None:
+                    shutil.rmtree(best[4], ignore_errors=True)
+                best = (rank, subset, Candidates(sub.spec, sub.folder, [], scores), verdict, folder)
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
+        assert best is not None  # current holds at least two deltas
+        (passes, _), subset, sub, verdict, folder = best
+        if passes:
             log.info("round %d: the merge of %s passes the rule", number, [e.label for e in subset])
             # the outer optimizer's pending state must be this subset's: step it once more
             stepped = outer.step(base_id, base_dir, sub.folder, work / "chosen-stepped", number)
             chosen = Candidates(sub.spec, sub.folder, merged.records, sub.validation)
             return Verdict(subset, chosen, stepped, verdict, held.subsets)
+        shutil.rmtree(folder, ignore_errors=True)
         current = subset
     return held
 

@@ -364,6 +364,9 @@ def test_subsets_are_searched_down_to_one_delta_from_the_best_scoring_subset(tmp
     assert [s["publish"] for s in subsets] == [False] * 4 + [True]
     assert verdict.decision.publish and [e.label for e in verdict.merging] == best_pair[:1]
     assert verdict.candidate_dir == verdict.merged.folder  # an identity outer step
+    # Each try that lost was deleted at once: only the chosen subset's checkpoint is left.
+    assert sorted(p.name for p in work.glob("subset-*")) == ["subset-4"]
+    assert verdict.merged.folder.is_relative_to(work / "subset-4")
     assert verdict.merged.spec in MergePlan().specs()
 
     calls.clear()
