@@ -57,8 +57,11 @@ from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, pu
 DOMAINS = ("math", "code", "search")
 # About 1.2 minutes of one node on 2 cores per domain per round (a math step is the cheapest, a
 # search step the dearest): the recipes' steps a round, math's tripled and code's doubled.
-DEFAULT_STEPS = {"math": 3 * recipe_for("math").steps, "code": 2 * recipe_for("code").steps}
-DEFAULT_STEPS["search"] = recipe_for("search").steps
+DEFAULT_STEPS = {
+    "math": 3 * recipe_for("math").steps,
+    "code": 2 * recipe_for("code").steps,
+    "search": recipe_for("search").steps,
+}
 ARMS = ("base", "swarm", "experts", "mixed")
 
 

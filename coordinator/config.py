@@ -203,9 +203,7 @@ class MergePlan(MergeSpec):
 
     def specs(self) -> list[MergeSpec]:
         """This spec and the candidates, without repeats, in order."""
-        own = MergeSpec.model_validate(
-            self.model_dump(exclude={"candidates", "own_domain_gate", "subsets_on_hold"})
-        )
+        own = MergeSpec.model_validate(self.model_dump(include=set(MergeSpec.model_fields)))
         unique: list[MergeSpec] = []
         for spec in [own, *self.candidates]:
             if spec not in unique:

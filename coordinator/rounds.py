@@ -615,7 +615,7 @@ def merge_candidates(
             shutil.rmtree(folder, ignore_errors=True)
             continue
         scores = evaluator.validation_scores(folder)
-        score = sum(mean_reward(row) for row in scores.values()) / len(scores)
+        score = mean_score(scores)
         record |= {"validation": _without_outcomes(scores), "score": score}
         if best is None or score > best[2]:
             if best is not None:
@@ -686,43 +686,67 @@ def merge_and_decide(
         # The best try so far (one that passes before any that does not, then the higher mean
         # reward, ties to the earlier); every other try's checkpoints are deleted at once, so a
         # large model's disk holds at most two subsets at a time.
-        best: tuple[tuple[bool, float], list[ExpertInput], Candidates, Decision, Path] | None = None
+        best: _SubsetTry | None = None
         for index in range(len(current)):
             subset = current[:index] + current[index + 1 :]
             folder = work / f"subset-{len(held.subsets)}"
-            sub = merge_candidates(
-                [merged.spec], base_dir, [task_vector(e) for e in subset], folder, evaluator
+            merged_dir = merge_checkpoint(
+                base_dir, [task_vector(e) for e in subset], folder / "candidate", merged.spec
             )
-            stepped = outer.step(base_id, base_dir, sub.folder, folder / "stepped", number)
+            stepped = outer.step(base_id, base_dir, merged_dir, folder / "stepped", number)
             scores = evaluator.validation_scores(stepped)
-            verdict = decide(scores)
-            score = sum(mean_reward(row) for row in scores.values()) / len(scores)
+            tried = _SubsetTry(subset, folder, merged_dir, stepped, scores, decide(scores))
             held.subsets.append(
                 {
                     "merged": [e.label for e in subset],
-                    "score": score,
-                    "publish": verdict.publish,
-                    "reason": verdict.reason,
+                    "score": tried.score,
+                    "publish": tried.decision.publish,
+                    "reason": tried.decision.reason,
                 }
             )
-            rank = (verdict.publish, score)
-            if best is None or rank > best[0]:
+            if best is None or tried.rank > best.rank:
                 if best is not None:
-                    shutil.rmtree(best[4], ignore_errors=True)
-                best = (rank, subset, Candidates(sub.spec, sub.folder, [], scores), verdict, folder)
+                    shutil.rmtree(best.folder, ignore_errors=True)
+                best = tried
             else:
                 shutil.rmtree(folder, ignore_errors=True)
         assert best is not None  # current holds at least two deltas
-        (passes, _), subset, sub, verdict, folder = best
-        if passes:
-            log.info("round %d: the merge of %s passes the rule", number, [e.label for e in subset])
-            # the outer optimizer's pending state must be this subset's: step it once more
-            stepped = outer.step(base_id, base_dir, sub.folder, work / "chosen-stepped", number)
-            chosen = Candidates(sub.spec, sub.folder, merged.records, sub.validation)
-            return Verdict(subset, chosen, stepped, verdict, held.subsets)
-        shutil.rmtree(folder, ignore_errors=True)
-        current = subset
+        if best.decision.publish:
+            labels = [e.label for e in best.subset]
+            log.info("round %d: the merge of %s passes the rule", number, labels)
+            stepped = best.stepped
+            if outer.keeps_state:  # its pending state must be this subset's, not the last tried
+                stepped = outer.step(base_id, base_dir, best.merged_dir, work / "chosen", number)
+            chosen = Candidates(merged.spec, best.merged_dir, merged.records, best.scores)
+            return Verdict(best.subset, chosen, stepped, best.decision, held.subsets)
+        shutil.rmtree(best.folder, ignore_errors=True)
+        current = best.subset
     return held
+
+
+@dataclass
+class _SubsetTry:
+    """One subset of a held merge, merged, stepped, scored and judged."""
+
+    subset: list[ExpertInput]
+    folder: Path
+    merged_dir: Path
+    stepped: Path
+    scores: dict[str, dict[str, Any]]
+    decision: Decision
+
+    @property
+    def score(self) -> float:
+        return mean_score(self.scores)
+
+    @property
+    def rank(self) -> tuple[bool, float]:
+        return (self.decision.publish, self.score)
+
+
+def mean_score(scores: Mapping[str, Mapping[str, Any]]) -> float:
+    """A candidate's validation score: its mean reward averaged over the domains."""
+    return sum(mean_reward(row) for row in scores.values()) / len(scores)
 
 
 def _without_outcomes(scores: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
