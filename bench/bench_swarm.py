@@ -41,10 +41,10 @@ from skillswarm.agent.envs import get_environment
 from skillswarm.agent.evaluate import evaluate_checkpoint
 from skillswarm.agent.model import load_policy, set_torch_threads
 from skillswarm.agent.stats import paired_difference
+from skillswarm.coordinator.candidates import gate_by_own_domain, merge_and_decide
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, scores_row
 from skillswarm.coordinator.publication import publication_rule
-from skillswarm.coordinator.rounds import gate_by_own_domain, merge_and_decide
 from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
 from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors

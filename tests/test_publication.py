@@ -13,6 +13,7 @@ from delta_helpers import current_base_tensors, hand_in_delta, noisy
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 from skillswarm.coordinator.app import create_app
+from skillswarm.coordinator.candidates import merge_and_decide
 from skillswarm.coordinator.config import (
     CoordinatorConfig,
     EvalConfig,
@@ -22,7 +23,6 @@ from skillswarm.coordinator.config import (
 )
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput
 from skillswarm.coordinator.publication import Decision, compare_rows, publication_decision
-from skillswarm.coordinator.rounds import merge_and_decide
 from skillswarm.coordinator.service import Coordinator
 from skillswarm.coordinator.store import DeltaRecord
 from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig, load_state
