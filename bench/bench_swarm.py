@@ -1,10 +1,10 @@
 """The swarm against its baselines at equal compute, on the real code paths.
 
 Every round, each domain's node trains k steps of its recipe from the swarm's current base (the
-node's trainer, a fresh optimizer as a daemon round starts), packs its delta as a node does, and
-the coordinator's own functions merge the deltas (the default merge plan and its validation
-choice, the outer optimizer), score the candidate and apply the publication rule. Beside it, with
-the same episodes per domain:
+node's trainer, its optimizer state carried from its last round as a daemon's is), packs its
+delta as a node does, and the coordinator's own functions merge the deltas (the own-domain gate,
+the default merge plan and its validation choice, the outer optimizer, subsets of a held merge),
+score the candidate and apply the publication rule. Beside it, with the same episodes per domain:
 
 - experts: each domain's model trained alone, k steps more every round (its optimizer kept);
 - mixed:   one model trained on all three domains, one step of each domain's recipe in turn
@@ -18,7 +18,7 @@ per domain per round for every arm) and `results.json` into --out.
 
 Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=90,code=16,search=10]
 [--eval-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm] [--outer-lr 1]
-[--outer-momentum 0]`. Without --base it uses the
+[--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer]`. Without --base it uses the
 embedded base shipped in the package (`skillswarm bootstrap` rebuilds one). `--help` prints the
 step budget of each arm. Exits 1 when, after the last round, the published model does not beat
 the base by --min-gain points with the paired interval above zero on every domain.
@@ -48,6 +48,8 @@ from skillswarm.coordinator.publication import publication_rule
 from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
 from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors
+from skillswarm.node.checkpointing import restore_optimizer_state, save_optimizer_state
+from skillswarm.node.config import NodeConfig
 from skillswarm.node.pipeline import AsyncRLRun
 from skillswarm.node.recipes import recipe_for
 from skillswarm.protocol.blobstore import BlobStore
@@ -97,10 +99,12 @@ def train_steps(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     synchronous: bool = False,
+    carried: Path | None = None,
 ) -> tuple[list[dict[str, float]], torch.optim.Optimizer]:
     """`steps` RL steps of `domain`'s recipe on `model` (in place). With `optimizer`, training
-    goes on with it (its momentum kept) at this recipe's learning rate; returns the history and
-    the optimizer."""
+    goes on with it (its momentum kept) at this recipe's learning rate; with `carried`, a fresh
+    optimizer starts from the state saved there when there is one, and its state is saved there
+    at the end, as a node's with keep_optimizer_state. Returns the history and the optimizer."""
     update: dict[str, Any] = {"steps": steps, "seed": seed}
     if synchronous:
         update["max_staleness"] = 0
@@ -110,7 +114,11 @@ def train_steps(
         for group in optimizer.param_groups:
             group["lr"] = recipe.learning_rate
         run.trainer.optimizer = optimizer
+    elif carried is not None:
+        restore_optimizer_state(carried, run.trainer.optimizer)
     history = run.run()
+    if carried is not None:
+        save_optimizer_state(carried, run.trainer.optimizer)
     model.eval()
     return history, run.trainer.optimizer
 
@@ -139,7 +147,11 @@ class Bench:
                 experts="own",
             ),
             outer=OuterOptimizerConfig(learning_rate=args.outer_lr, momentum=args.outer_momentum),
-            merge=MergePlan(own_domain_gate=not args.no_gate, subsets_on_hold=not args.no_subsets),
+            merge=MergePlan(
+                own_domain_gate=not args.no_gate,
+                own_domain_gate_alpha=args.gate_alpha,
+                subsets_on_hold=not args.no_subsets,
+            ),
         )
         self.evaluator = Evaluator(self.config.eval)
         self.outer = OuterOptimizer(self.out / "coordinator" / "outer", self.config.outer)
@@ -236,7 +248,16 @@ class Bench:
             self.log(f"round {number}: {domain} node, {self.args.steps[domain]} steps")
             model, tokenizer = load_policy(base_dir)
             history, _ = train_steps(
-                model, tokenizer, domain, self.args.steps[domain], self.seed(number, index)
+                model,
+                tokenizer,
+                domain,
+                self.args.steps[domain],
+                self.seed(number, index),
+                carried=(
+                    self.out / f"node-{domain}-optimizer.pt"
+                    if self.args.keep_node_optimizer
+                    else None
+                ),
             )
             state = model.state_dict()
             manifest = pack_delta(
@@ -479,6 +500,22 @@ def main() -> int:
         action="store_true",
         help="merge every delta, without the coordinator's own-domain gate (which leaves out a "
         "delta that scores below the base on its own domain's validation tasks)",
+    )
+    parser.add_argument(
+        "--gate-alpha",
+        type=float,
+        default=MergePlan().own_domain_gate_alpha,
+        help="the own-domain gate leaves a delta out only when it is below the base on its own "
+        "domain beyond noise, by the one-sided paired test at this level; 0: on any shortfall "
+        "(the coordinator's own_domain_gate_alpha; default %(default)s)",
+    )
+    parser.add_argument(
+        "--keep-node-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=NodeConfig().keep_optimizer_state,
+        help="each node's optimizer state (SGD momentum) carries over to its next round, as the "
+        "experts' does, instead of starting fresh after the rebase (the node's "
+        "keep_optimizer_state; default %(default)s)",
     )
     parser.add_argument(
         "--no-subsets",

@@ -53,10 +53,12 @@ def gate_by_own_domain(
 ) -> tuple[list[ExpertInput], list[dict[str, Any]]]:
     """The experts a round merges and the own-domain gate's record of each: with the gate off,
     all of them and no record; else those scoring at least the base on their own domain's
-    validation tasks (`Evaluator.own_domain_gate`)."""
+    validation tasks beyond noise (plan.own_domain_gate_alpha; `Evaluator.own_domain_gate`)."""
     if not plan.own_domain_gate:
         return list(experts), []
-    gate = evaluator.own_domain_gate(base_id, base_dir, experts, work)
+    gate = evaluator.own_domain_gate(
+        base_id, base_dir, experts, work, alpha=plan.own_domain_gate_alpha
+    )
     left_out = [entry["label"] for entry in gate if not entry["kept"]]
     if left_out:
         log.info("below the base on their own domain, left out of the merge: %s", left_out)

@@ -168,8 +168,10 @@ class MergePlan(MergeSpec):
     The default sums the round's task vectors (task arithmetic, λ = 1: each node's delta at its
     full size, as if the nodes' steps had been taken one after another) and tries λ = 0.5 beside
     it; what each method measured: docs/merging.md. Before any of it, the own-domain gate leaves
-    out the deltas that lower their own domain's score on the validation tasks: RL that lowers
-    its own skill has nothing to give the merge, and merging it lowers that skill in the swarm.
+    out the deltas that lower their own domain's score on the validation tasks beyond noise: RL
+    that lowers its own skill has nothing to give the merge, and merging it lowers that skill in
+    the swarm; a delta within noise of the base is kept, for many of them carry a gain that the
+    validation tasks are too few to show.
     After it, a merge the publication rule holds is tried again without each delta in turn: one
     domain's delta often lowers another domain, and the others' gains need not wait a round.
     """
@@ -179,7 +181,15 @@ class MergePlan(MergeSpec):
         default=True,
         description="before merging, score each delta applied alone on its own domain's "
         "validation tasks and leave out of the merge any that scores below the base there "
-        "(mean reward); a round whose every delta is left out is held",
+        "(by own_domain_gate_alpha); a round whose every delta is left out is held",
+    )
+    own_domain_gate_alpha: float = Field(
+        default=0.05,
+        ge=0.0,
+        lt=0.5,
+        description="the gate leaves a delta out only when it is below the base beyond noise: "
+        "the one-sided paired test on its own domain's per-task validation rewards at this "
+        "level; 0: any shortfall in mean reward leaves it out",
     )
     subsets_on_hold: bool = Field(
         default=True,

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skillswarm.agent.stats import wilson_interval
+from skillswarm.agent.stats import not_worse, wilson_interval
 from skillswarm.coordinator.config import EvalConfig
 from skillswarm.coordinator.gates import write_expert_checkpoint
+from skillswarm.coordinator.publication import outcomes_of
 from skillswarm.coordinator.store import DeltaRecord
 from skillswarm.protocol.delta import DeltaReader
 
@@ -29,6 +30,7 @@ __all__ = [
     "ExpertInput",
     "expert_folder",
     "expert_label",
+    "gate_verdict",
     "mean_reward",
     "scores_row",
 ]
@@ -109,11 +111,16 @@ class Evaluator:
         )
 
     def own_domain_gate(
-        self, base_id: str, base_dir: Path, experts: Sequence[ExpertInput], work: Path
+        self,
+        base_id: str,
+        base_dir: Path,
+        experts: Sequence[ExpertInput],
+        work: Path,
+        alpha: float = 0.0,
     ) -> list[dict[str, Any]]:
         """For each expert (its delta applied alone), its own domain's mean reward on the
-        validation tasks beside the base's, and whether it is at least the base's there (`kept`). An
-        expert of a domain that is not evaluated is kept unscored."""
+        validation tasks beside the base's, and whether it is kept (`gate_verdict` at `alpha`).
+        An expert of a domain that is not evaluated is kept unscored."""
         config = self.eval_config
         seed = config.validation_tasks_seed()
         gate: list[dict[str, Any]] = []
@@ -127,8 +134,8 @@ class Evaluator:
             alone = self.scores(folder, [expert.domain], config.n_tasks, seed)
             base_reward = mean_reward(base[expert.domain])
             expert_reward = mean_reward(alone[expert.domain])
-            kept = expert_reward >= base_reward
-            gate.append(entry | {"kept": kept, "base": base_reward, "expert": expert_reward})
+            entry |= {"base": base_reward, "expert": expert_reward}
+            gate.append(entry | gate_verdict(base[expert.domain], alone[expert.domain], alpha))
         return gate
 
     def evaluate(self, checkpoints: Mapping[str, Path]) -> dict[str, DomainScores]:
@@ -179,6 +186,21 @@ def expert_folder(base_dir: Path, expert: ExpertInput, work: Path) -> Path:
     write_expert_checkpoint(base_dir, expert.reader, partial)
     partial.rename(folder)
     return folder
+
+
+def gate_verdict(
+    base: Mapping[str, Any], expert: Mapping[str, Any], alpha: float
+) -> dict[str, Any]:
+    """The own-domain gate on one delta, from the base's and the delta's rows on the same
+    validation tasks: `kept` unless, with `alpha` > 0, the one-sided paired test on the per-task
+    rewards says the delta is below the base at that level (`p_worse` given), or, with 0, its
+    mean reward is below the base's."""
+    if alpha == 0:
+        return {"kept": mean_reward(expert) >= mean_reward(base)}
+    kept, difference = not_worse(
+        outcomes_of(base, "reward"), outcomes_of(expert, "reward"), alpha=alpha
+    )
+    return {"kept": kept, "p_worse": difference.p_worse}
 
 
 def scores_row(result: EvalResult, level: float = 0.95) -> dict[str, Any]:

@@ -5,6 +5,7 @@ leaves a complete checkpoint for `load_training_checkpoint` to resume from.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -522,3 +523,53 @@ def load_training_checkpoint(
     raise CorruptCheckpointError(
         f"no checkpoint in {directory} could be loaded: " + "; ".join(failures)
     )
+
+
+def save_optimizer_state(path: Path, optimizer: torch.optim.Optimizer) -> None:
+    """Write `optimizer`'s state (its class named beside it) atomically to `path`, for the next
+    round's optimizer to start from (`restore_optimizer_state`)."""
+
+    buffer = io.BytesIO()
+    torch.save({"optimizer": type(optimizer).__name__, "state": optimizer.state_dict()}, buffer)
+    write_bytes_atomically(Path(path), buffer.getvalue())
+
+
+def restore_optimizer_state(path: Path, optimizer: torch.optim.Optimizer) -> bool:
+    """Load the state `save_optimizer_state` wrote into `optimizer`, keeping its learning rates
+    and other settings; False (`optimizer` left fresh, the reason logged) when there is none, it
+    is unreadable, or it belongs to another kind of optimizer or another model's parameters."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        saved = _torch_load(path)
+    except CorruptCheckpointError as error:
+        logger.warning("optimizer state not carried over: %s", error)
+        return False
+    kind = type(optimizer).__name__
+    if not isinstance(saved, dict) or saved.get("optimizer") != kind:
+        logger.warning("optimizer state not carried over: %s is not %s state", path, kind)
+        return False
+    settings = [
+        {key: value for key, value in group.items() if key != "params"}
+        for group in optimizer.param_groups
+    ]
+    try:
+        optimizer.load_state_dict(saved["state"])
+    except (ValueError, KeyError, RuntimeError) as error:
+        logger.warning("optimizer state not carried over: %s does not fit (%s)", path, error)
+        return False
+    for group, kept in zip(optimizer.param_groups, settings, strict=True):
+        group.update(kept)
+    shapes = [
+        (state.shape, param.shape)
+        for group in optimizer.param_groups
+        for param in group["params"]
+        for state in optimizer.state.get(param, {}).values()
+        if isinstance(state, torch.Tensor) and state.ndim > 0
+    ]
+    if any(state != param for state, param in shapes):
+        optimizer.state.clear()
+        logger.warning("optimizer state not carried over: %s is another model's", path)
+        return False
+    return True

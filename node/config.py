@@ -83,6 +83,13 @@ class NodeConfig(BaseModel):
         ge=0,
         description="training checkpoints every N steps (a restart resumes); 0: off",
     )
+    keep_optimizer_state: bool = Field(
+        default=True,
+        description="start each round's optimizer from the state the last round's ended with "
+        "(SGD momentum, AdamW moments), as DiLoCo's inner optimizer carries on across outer "
+        "steps: a fresh SGD momentum takes 8 steps at a third of the recipe's step size; off: a "
+        "fresh optimizer on every rebase",
+    )
     health_host: str = "127.0.0.1"
     health_port: int | None = Field(
         default=None,

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 from skillswarm.merge.tensors import iter_base_tensors
+from skillswarm.node.checkpointing import restore_optimizer_state, save_optimizer_state
 from skillswarm.node.config import NodeConfig
 from skillswarm.node.fanout import FanoutClient
 from skillswarm.node.health import HealthServer, NodeStatus
@@ -39,6 +40,9 @@ from skillswarm.protocol.messages import (
 from skillswarm.protocol.pull import PullError, pull
 
 log = logging.getLogger(__name__)
+
+# The optimizer state the last round ended with, under work_dir (NodeConfig.keep_optimizer_state).
+CARRIED_OPTIMIZER_FILE = "optimizer-carried.pt"
 _T = TypeVar("_T")
 
 # How long a node waits for a first connection to the swarm (the coordinator's libp2p peer or a
@@ -433,6 +437,11 @@ class NodeDaemon:
             tool_call_format=self.config.tool_call_format,
             checkpoint_dir=self._training_dir(base_id, number) if train.checkpoint_every else None,
         )
+        carried = self.config.work_dir / CARRIED_OPTIMIZER_FILE
+        if self.config.keep_optimizer_state and restore_optimizer_state(
+            carried, run.trainer.optimizer
+        ):
+            log.info("round=%d optimizer state carried over from the last round", number)
         self._training = run
         try:
             if self._stop.is_set():
@@ -444,6 +453,8 @@ class NodeDaemon:
         if self._stop.is_set() and steps_done < train.steps:
             log.info("round=%d stopped after step %d; a restart resumes it", number, steps_done)
             return None
+        if self.config.keep_optimizer_state:
+            save_optimizer_state(carried, run.trainer.optimizer)
         base = dict(iter_base_tensors(base_dir))
         state = model.state_dict()
         last = history[-1] if history else {}

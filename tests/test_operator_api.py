@@ -161,7 +161,12 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
     }
     response = client.put("/v1/operator/merge", json=spec, headers=AUTH)
     assert response.status_code == 200, response.text
-    plan = spec | {"candidates": [], "own_domain_gate": True, "subsets_on_hold": True}
+    plan = spec | {
+        "candidates": [],
+        "own_domain_gate": True,
+        "own_domain_gate_alpha": 0.05,
+        "subsets_on_hold": True,
+    }
     assert response.json() == plan
     assert client.get("/v1/info").json()["merge"] == plan
 
@@ -188,6 +193,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
         "seed": 11,
         "candidates": [],
         "own_domain_gate": True,
+        "own_domain_gate_alpha": 0.05,
         "subsets_on_hold": True,
     }
 

@@ -21,7 +21,7 @@ from skillswarm.coordinator.config import (
     PublishPolicy,
     RoundPolicy,
 )
-from skillswarm.coordinator.evaluation import Evaluator, ExpertInput
+from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, gate_verdict
 from skillswarm.coordinator.publication import Decision, compare_rows, publication_decision
 from skillswarm.coordinator.service import Coordinator
 from skillswarm.coordinator.store import DeltaRecord
@@ -103,6 +103,28 @@ def test_rows_of_different_tasks_are_not_compared():
         compare_rows({"success_rate": 0.5}, a)
 
 
+def test_the_gate_with_a_level_leaves_out_only_a_delta_below_the_base_beyond_noise():
+    def row(successes: list[int]) -> dict:
+        return _row(successes) | {"mean_reward": sum(successes) / len(successes)}
+
+    base = row([1] * 30 + [0] * 30)
+    # Two tasks lost, none gained: below the base, within noise.
+    slightly = row([1] * 28 + [0] * 32)
+    # Fourteen tasks lost, none gained: beyond noise.
+    clearly = row([1] * 16 + [0] * 44)
+    assert gate_verdict(base, slightly, 0) == {"kept": False}
+    assert gate_verdict(base, clearly, 0) == {"kept": False}
+    assert gate_verdict(base, base, 0) == {"kept": True}
+    within = gate_verdict(base, slightly, 0.05)
+    assert within["kept"] and within["p_worse"] >= 0.05
+    beyond = gate_verdict(base, clearly, 0.05)
+    assert not beyond["kept"] and beyond["p_worse"] < 0.05
+    # A looser level leaves out more: two losses out of two are p = 0.25 by the sign test.
+    assert not gate_verdict(base, slightly, 0.3)["kept"]
+    with pytest.raises(ValueError, match="per-task rewards"):
+        gate_verdict({"mean_reward": 0.5}, slightly, 0.05)
+
+
 def _degraded(base_dir: Path, out: Path, scale: float = 0.5, seed: int = 0) -> Path:
     """A copy of `base_dir` with Gaussian noise of `scale` × each tensor's RMS on its weights."""
     shutil.copytree(base_dir, out)
@@ -121,6 +143,7 @@ def _coordinator(
     tmp_path: Path,
     base: Path,
     gate: bool = False,
+    gate_alpha: float = 0.0,
     quorum: int = 1,
     subsets: bool = True,
     outer: OuterOptimizerConfig | None = None,
@@ -133,7 +156,9 @@ def _coordinator(
         base_checkpoint=base,
         round=RoundPolicy(min_deltas=quorum),
         eval=EvalConfig(domains=["math"], n_tasks=24, experts="none"),
-        merge=MergePlan(own_domain_gate=gate, subsets_on_hold=subsets),
+        merge=MergePlan(
+            own_domain_gate=gate, own_domain_gate_alpha=gate_alpha, subsets_on_hold=subsets
+        ),
         outer=outer or OuterOptimizerConfig(),
     )
     coordinator = Coordinator(config)
@@ -208,14 +233,16 @@ def test_a_delta_that_lowers_its_own_domain_is_left_out_of_the_merge(tmp_path, t
     finally:
         both.store.close()
 
-    alone = _coordinator(tmp_path / "alone", tiny_base, gate=True)
+    alone = _coordinator(tmp_path / "alone", tiny_base, gate=True, gate_alpha=0.05)
     try:
         base_id = alone.current_base().id
         hand_in_delta(alone, harmful_key, current_base_tensors_of(degraded))
         held = alone.rounds.round_record(1)
         assert held["status"] == "held"
         assert "below the base on its own domain" in held["decision"]["reason"]
-        assert [entry["kept"] for entry in held["decision"]["gate"]] == [False]
+        # With the gate's paired test, the degrading delta is below the base beyond noise.
+        [entry] = held["decision"]["gate"]
+        assert not entry["kept"] and entry["p_worse"] < 0.05
         assert alone.current_base().id == base_id
         assert alone.rounds.current_round().base_id == base_id
     finally:
