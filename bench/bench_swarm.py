@@ -100,11 +100,13 @@ def train_steps(
     *,
     synchronous: bool = False,
     carried: Path | None = None,
+    round_number: int = 0,
 ) -> tuple[list[dict[str, float]], torch.optim.Optimizer]:
     """`steps` RL steps of `domain`'s recipe on `model` (in place). With `optimizer`, training
     goes on with it (its momentum kept) at this recipe's learning rate; with `carried`, a fresh
-    optimizer starts from the state saved there when there is one, and its state is saved there
-    at the end, as a node's with keep_optimizer_state. Returns the history and the optimizer."""
+    optimizer starts from the state an earlier round saved there when there is one, and its state
+    is saved there at the end for round `round_number`, as a node's with keep_optimizer_state.
+    Returns the history and the optimizer."""
     update: dict[str, Any] = {"steps": steps, "seed": seed}
     if synchronous:
         update["max_staleness"] = 0
@@ -115,10 +117,10 @@ def train_steps(
             group["lr"] = recipe.learning_rate
         run.trainer.optimizer = optimizer
     elif carried is not None:
-        restore_optimizer_state(carried, run.trainer.optimizer)
+        restore_optimizer_state(carried, run.trainer.optimizer, domain=domain, round=round_number)
     history = run.run()
     if carried is not None:
-        save_optimizer_state(carried, run.trainer.optimizer)
+        save_optimizer_state(carried, run.trainer.optimizer, domain=domain, round=round_number)
     model.eval()
     return history, run.trainer.optimizer
 
@@ -258,6 +260,7 @@ class Bench:
                     if self.args.keep_node_optimizer
                     else None
                 ),
+                round_number=number,
             )
             state = model.state_dict()
             manifest = pack_delta(

@@ -170,8 +170,8 @@ class MergePlan(MergeSpec):
     it; what each method measured: docs/merging.md. Before any of it, the own-domain gate leaves
     out the deltas that lower their own domain's score on the validation tasks beyond noise: RL
     that lowers its own skill has nothing to give the merge, and merging it lowers that skill in
-    the swarm; a delta within noise of the base is kept, for many of them carry a gain that the
-    validation tasks are too few to show.
+    the swarm; a delta within noise of the base is kept, for a short round's delta is most often
+    within noise of it either way.
     After it, a merge the publication rule holds is tried again without each delta in turn: one
     domain's delta often lowers another domain, and the others' gains need not wait a round.
     """

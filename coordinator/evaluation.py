@@ -195,6 +195,8 @@ def gate_verdict(
     validation tasks: `kept` unless, with `alpha` > 0, the one-sided paired test on the per-task
     rewards says the delta is below the base at that level (`p_worse` given), or, with 0, its
     mean reward is below the base's."""
+    if base.get("task_ids") and expert.get("task_ids") and base["task_ids"] != expert["task_ids"]:
+        raise ValueError("the two rows were scored on different tasks; the gate cannot pair them")
     if alpha == 0:
         return {"kept": mean_reward(expert) >= mean_reward(base)}
     kept, difference = not_worse(

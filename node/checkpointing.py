@@ -525,42 +525,73 @@ def load_training_checkpoint(
     )
 
 
-def save_optimizer_state(path: Path, optimizer: torch.optim.Optimizer) -> None:
-    """Write `optimizer`'s state (its class named beside it) atomically to `path`, for the next
-    round's optimizer to start from (`restore_optimizer_state`)."""
-
+def save_optimizer_state(
+    path: Path, optimizer: torch.optim.Optimizer, *, domain: str, round: int
+) -> None:
+    """Write `optimizer`'s state atomically to `path`, with its class and the domain and round it
+    ended, for the next round's optimizer to start from (`restore_optimizer_state`)."""
     buffer = io.BytesIO()
-    torch.save({"optimizer": type(optimizer).__name__, "state": optimizer.state_dict()}, buffer)
-    write_bytes_atomically(Path(path), buffer.getvalue())
+    torch.save(
+        {
+            "optimizer": type(optimizer).__name__,
+            "domain": domain,
+            "round": round,
+            "state": optimizer.state_dict(),
+        },
+        buffer,
+    )
+    write_bytes_atomically(Path(path), buffer.getbuffer())
 
 
-def restore_optimizer_state(path: Path, optimizer: torch.optim.Optimizer) -> bool:
+def restore_optimizer_state(
+    path: Path, optimizer: torch.optim.Optimizer, *, domain: str, round: int
+) -> int | None:
     """Load the state `save_optimizer_state` wrote into `optimizer`, keeping its learning rates
-    and other settings; False (`optimizer` left fresh, the reason logged) when there is none, it
-    is unreadable, or it belongs to another kind of optimizer or another model's parameters."""
+    and other settings, and return the round it ended. None, with `optimizer` left fresh and the
+    reason logged, when there is none or it is unreadable, of another kind of optimizer, another
+    model's parameters, another domain, or not from an earlier round than `round`."""
     path = Path(path)
     if not path.is_file():
-        return False
+        return None
     try:
         saved = _torch_load(path)
     except CorruptCheckpointError as error:
         logger.warning("optimizer state not carried over: %s", error)
-        return False
+        return None
     kind = type(optimizer).__name__
-    if not isinstance(saved, dict) or saved.get("optimizer") != kind:
-        logger.warning("optimizer state not carried over: %s is not %s state", path, kind)
-        return False
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        logger.warning("optimizer state not carried over: %s holds no optimizer state", path)
+        return None
+    if saved.get("optimizer") != kind or saved.get("domain") != domain:
+        logger.warning(
+            "optimizer state not carried over: %s is %s state of %s, not %s of %s",
+            path,
+            saved.get("optimizer"),
+            saved.get("domain"),
+            kind,
+            domain,
+        )
+        return None
+    ended = saved.get("round")
+    if not isinstance(ended, int) or ended >= round:
+        logger.warning(
+            "optimizer state not carried over: %s ended round %s, not one before %d",
+            path,
+            ended,
+            round,
+        )
+        return None
     settings = [
         {key: value for key, value in group.items() if key != "params"}
         for group in optimizer.param_groups
     ]
     try:
         optimizer.load_state_dict(saved["state"])
-    except (ValueError, KeyError, RuntimeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as error:
+        _fresh(optimizer, settings)
         logger.warning("optimizer state not carried over: %s does not fit (%s)", path, error)
-        return False
-    for group, kept in zip(optimizer.param_groups, settings, strict=True):
-        group.update(kept)
+        return None
+    _fresh(optimizer, settings, clear=False)
     shapes = [
         (state.shape, param.shape)
         for group in optimizer.param_groups
@@ -569,7 +600,17 @@ def restore_optimizer_state(path: Path, optimizer: torch.optim.Optimizer) -> boo
         if isinstance(state, torch.Tensor) and state.ndim > 0
     ]
     if any(state != param for state, param in shapes):
-        optimizer.state.clear()
+        _fresh(optimizer, settings)
         logger.warning("optimizer state not carried over: %s is another model's", path)
-        return False
-    return True
+        return None
+    return ended
+
+
+def _fresh(
+    optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]], clear: bool = True
+) -> None:
+    """Put `settings` back on the optimizer's groups, and with `clear` drop its state."""
+    if clear:
+        optimizer.state.clear()
+    for group, kept in zip(optimizer.param_groups, settings, strict=True):
+        group.update(kept)

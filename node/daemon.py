@@ -438,10 +438,17 @@ class NodeDaemon:
             checkpoint_dir=self._training_dir(base_id, number) if train.checkpoint_every else None,
         )
         carried = self.config.work_dir / CARRIED_OPTIMIZER_FILE
-        if self.config.keep_optimizer_state and restore_optimizer_state(
-            carried, run.trainer.optimizer
-        ):
-            log.info("round=%d optimizer state carried over from the last round", number)
+        if self.config.keep_optimizer_state:
+            ended = restore_optimizer_state(
+                carried, run.trainer.optimizer, domain=self.config.domain, round=number
+            )
+            if ended is not None:
+                log.info(
+                    "round=%d starts from the optimizer state round %d ended with (a checkpoint "
+                    "of this round, when there is one, replaces it)",
+                    number,
+                    ended,
+                )
         self._training = run
         try:
             if self._stop.is_set():
@@ -453,8 +460,6 @@ class NodeDaemon:
         if self._stop.is_set() and steps_done < train.steps:
             log.info("round=%d stopped after step %d; a restart resumes it", number, steps_done)
             return None
-        if self.config.keep_optimizer_state:
-            save_optimizer_state(carried, run.trainer.optimizer)
         base = dict(iter_base_tensors(base_dir))
         state = model.state_dict()
         last = history[-1] if history else {}
@@ -473,6 +478,15 @@ class NodeDaemon:
         )
         signed = sign_manifest(manifest, self.key_pair)
         self._keep_manifest(signed)
+        if self.config.keep_optimizer_state:
+            try:
+                save_optimizer_state(
+                    carried, run.trainer.optimizer, domain=self.config.domain, round=number
+                )
+            except OSError as error:
+                log.warning(
+                    "round=%d optimizer state not kept for the next round: %s", number, error
+                )
         self.status.deltas.inc()
         log.info(
             "round=%d delta %s: %d tensors changed, %d bytes",
