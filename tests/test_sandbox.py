@@ -297,9 +297,13 @@ def test_forged_reports_are_not_accepted(code: str) -> None:
     assert report.passed == 0, report
 
 
-def test_concurrent_runs_stay_separate_and_release_everything() -> None:
+def test_concurrent_runs_stay_separate_and_release_everything(tmp_path, monkeypatch) -> None:
     def open_descriptors() -> int:
         return len(os.listdir("/proc/self/fd"))
+
+    # This process's sandboxes make their folders in a temp dir of their own, so that another
+    # test process's sandboxes running meanwhile are not counted.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     def sandbox_dirs() -> set[str]:
         return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("sandbox-")}
