@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from skillswarm.agent.stats import not_worse, wilson_interval
 from skillswarm.coordinator.config import EvalConfig
 from skillswarm.coordinator.gates import write_expert_checkpoint
-from skillswarm.coordinator.publication import outcomes_of
+from skillswarm.coordinator.publication import check_same_tasks, outcomes_of
 from skillswarm.coordinator.store import DeltaRecord
 from skillswarm.protocol.delta import DeltaReader
 
@@ -195,8 +195,7 @@ def gate_verdict(
     validation tasks: `kept` unless, with `alpha` > 0, the one-sided paired test on the per-task
     rewards says the delta is below the base at that level (`p_worse` given), or, with 0, its
     mean reward is below the base's."""
-    if base.get("task_ids") and expert.get("task_ids") and base["task_ids"] != expert["task_ids"]:
-        raise ValueError("the two rows were scored on different tasks; the gate cannot pair them")
+    check_same_tasks(base, expert)
     if alpha == 0:
         return {"kept": mean_reward(expert) >= mean_reward(base)}
     kept, difference = not_worse(

@@ -11,7 +11,7 @@ from typing import Any
 from skillswarm.agent.stats import not_worse, paired_difference
 from skillswarm.coordinator.config import PublishPolicy
 
-__all__ = ["Decision", "compare_rows", "outcomes_of", "publication_decision"]
+__all__ = ["Decision", "check_same_tasks", "compare_rows", "outcomes_of", "publication_decision"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,16 @@ def outcomes_of(row: Mapping[str, Any], metric: str) -> list[float]:
     return [float(v) for v in values]
 
 
+def check_same_tasks(base: Mapping[str, Any], candidate: Mapping[str, Any]) -> None:
+    """Raise ValueError when the two scores rows name different tasks: they cannot be paired."""
+    if (
+        base.get("task_ids")
+        and candidate.get("task_ids")
+        and (list(base["task_ids"]) != list(candidate["task_ids"]))
+    ):
+        raise ValueError("the two rows were scored on different tasks; they cannot be paired")
+
+
 def compare_rows(
     base: Mapping[str, Any],
     candidate: Mapping[str, Any],
@@ -47,12 +57,7 @@ def compare_rows(
 ) -> dict[str, Any]:
     """The paired difference candidate − base of one domain's rows (same tasks, same order):
     mean, its interval at `level`, and the one-sided p-values."""
-    if (
-        base.get("task_ids")
-        and candidate.get("task_ids")
-        and (list(base["task_ids"]) != list(candidate["task_ids"]))
-    ):
-        raise ValueError("the two rows were scored on different tasks; they cannot be paired")
+    check_same_tasks(base, candidate)
     difference = paired_difference(
         outcomes_of(base, metric), outcomes_of(candidate, metric), level=level
     )
