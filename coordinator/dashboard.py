@@ -1,9 +1,9 @@
 """The coordinator's web dashboard: one page that reads the public /v1 API and shows the nodes
 (domain, last seen, step, reward), the rounds with their evaluation tables (success rates with
-their intervals), the publication verdict of each round (published or held, why, and the paired
-difference to the base), and the published model's held-out success per domain from the base
-(round 0) on, each line named at its end. No build step and no external assets: the page is plain
-HTML with a small script, safe to serve from an air-gapped box.
+their intervals), the publication verdict of each round (published or held, why, the own-domain
+gate's entries, and the paired difference to the base), and the published model's held-out
+success per domain from the base (round 0) on, each line named at its end. No build step and no
+external assets: the page is plain HTML with a small script, safe to serve from an air-gapped box.
 """
 
 from __future__ import annotations
@@ -108,13 +108,16 @@ function evaluationTable(evaluation) {
   return table(["model", ...domains.map((d) => d + " success")], rows);
 }
 
-// The publication rule's verdict: published or held and why, and per domain the paired
+// The publication rule's verdict: published or held and why, the own-domain gate's entries (each
+// delta's own-domain mean reward alone beside the base's, and whether it was merged), and per
+// domain the paired
 // difference candidate − base on the validation tasks with its interval and p-values (and,
 // from round 2 on, candidate − round 0).
 function decisionBlock(round) {
   const decision = round.decision;
   if (!decision) return round.error ? el("div", {class: "status-failed"}, round.error) : "";
   const p = (value) => typeof value === "number" ? value.toPrecision(3) : "–";
+  const reward = (value) => typeof value === "number" ? value.toFixed(3) : "–";
   const comparisonTable = (byDomain, versus) => {
     const comparisons = Object.entries(byDomain || {}).sort((a, b) => a[0].localeCompare(b[0]));
     return comparisons.length ? table(
@@ -126,6 +129,11 @@ function decisionBlock(round) {
   return el("div", {class: "decision"},
     el("div", {class: decision.publish ? "status-published" : "status-held"},
       (decision.publish ? "publish: " : "held: ") + decision.reason),
+    (decision.gate || []).length ? table(
+      ["own-domain gate: delta", "domain", "base mean reward", "delta alone", "p worse",
+        "verdict"],
+      decision.gate.map((g) => [g.label, g.domain, reward(g.base), reward(g.expert),
+        p(g.p_worse), g.kept ? "kept" : "left out"]), "gate-" + round.number) : "",
     (decision.subsets || []).length ? table(
       ["merged again without a delta", "validation mean reward", "verdict"],
       decision.subsets.map((s) => [(s.merged || []).join(", "),

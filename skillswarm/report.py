@@ -296,6 +296,29 @@ def round_outcome(record: Mapping[str, Any]) -> str:
     return str(reason or record.get("error") or "–")
 
 
+def gate_rows(record: Mapping[str, Any]) -> list[list[str]]:
+    """The own-domain gate's entries of a round: per delta [label, domain, the base's and the
+    delta's own-domain validation mean reward, p worse, "kept" or "left out"]; [] without a
+    gate."""
+
+    def reward(value: Any) -> str:
+        number = _number(value)
+        return "–" if number is None else f"{number:.3f}"
+
+    entries = (record.get("decision") or {}).get("gate") or []
+    return [
+        [
+            str(entry.get("label", "?")),
+            str(entry.get("domain", "?")),
+            reward(entry.get("base")),
+            reward(entry.get("expert")),
+            "–" if _number(entry.get("p_worse")) is None else f"{entry['p_worse']:.3g}",
+            "kept" if entry.get("kept") else "left out",
+        ]
+        for entry in entries
+    ]
+
+
 def _round_section(record: Mapping[str, Any]) -> str:
     domains, rows = score_rows(record)
     status = str(record.get("status") or "?")
@@ -306,6 +329,11 @@ def _round_section(record: Mapping[str, Any]) -> str:
         f"</b>{' · ' + html.escape(outcome) if outcome != '–' else ''}</p>"
         + _table(["model", *domains], [[label, *cells] for label, cells in rows])
     )
+    gate = gate_rows(record)
+    if gate:
+        section += f"<h3>Round {record['number']}: the own-domain gate</h3>" + _table(
+            ["delta", "domain", "base mean reward", "delta alone", "p worse", "verdict"], gate
+        )
     subsets = (record.get("decision") or {}).get("subsets") or []
     if subsets:
         section += f"<h3>Round {record['number']}: the held merge, tried again without a delta</h3>"

@@ -105,6 +105,24 @@ def _hold_round_on_hand_made_scores(coordinator: Coordinator, number: int) -> di
             "merge_seconds": 0.5,
             "decision": decision.to_dict()
             | {
+                "gate": [
+                    {
+                        "label": "expert:math:0123456789ab",
+                        "domain": "math",
+                        "base": 0.75,
+                        "expert": 0.875,
+                        "kept": True,
+                        "p_worse": 0.96875,
+                    },
+                    {
+                        "label": "expert:code:ba9876543210",
+                        "domain": "code",
+                        "base": 0.5,
+                        "expert": 0.0625,
+                        "kept": False,
+                        "p_worse": 0.000122,
+                    },
+                ],
                 "subsets": [
                     {
                         "merged": ["expert:math:0123456789ab"],
@@ -112,7 +130,7 @@ def _hold_round_on_hand_made_scores(coordinator: Coordinator, number: int) -> di
                         "publish": False,
                         "reason": "worse on math",
                     }
-                ]
+                ],
             },
         },
     )
@@ -198,6 +216,17 @@ def test_dashboard_shows_nodes_rounds_scores_held_rounds_and_curves(
     # The paired difference merged − base on math: 2 vs 12 of the same 16 tasks.
     assert (
         "<td>expert:math:0123456789ab</td><td>0.125</td><td>held: worse on math</td>" in held_card
+    )
+    # The own-domain gate: each delta's mean reward alone beside the base's, and its verdict.
+    gate = re.search(r'<table id="gate-2">.*?</table>', held_card, re.DOTALL)
+    assert gate is not None
+    assert (
+        "<td>expert:math:0123456789ab</td><td>math</td><td>0.750</td><td>0.875</td>"
+        "<td>0.969</td><td>kept</td>" in gate.group(0)
+    )
+    assert (
+        "<td>expert:code:ba9876543210</td><td>code</td><td>0.500</td><td>0.063</td>"
+        "<td>0.000122</td><td>left out</td>" in gate.group(0)
     )
     against_base, against_origin = held_card.split("candidate − round 0 (points)", 1)
     assert re.search(r"<td>math</td><td>-62\.5 \[-\d+\.\d, -\d+\.\d\]</td>", against_base)

@@ -99,10 +99,29 @@ def _rounds() -> list[dict[str, Any]]:
         "checkpoint_id": "d" * 64,
         "decision": publication_decision(base2, merged2, PublishPolicy()).to_dict()
         | {
+            "gate": [
+                {
+                    "label": "expert:math:b",
+                    "domain": "math",
+                    "base": 0.375,
+                    "expert": 0.5625,
+                    "kept": True,
+                    "p_worse": 0.98,
+                },
+                {
+                    "label": "expert:code:c",
+                    "domain": "code",
+                    "base": 0.5,
+                    "expert": 0.125,
+                    "kept": False,
+                    "p_worse": 0.00049,
+                },
+                {"label": "expert:x:d", "domain": "x", "base": None, "expert": None, "kept": True},
+            ],
             "subsets": [
                 {"merged": ["expert:code:c"], "score": 0.25, "publish": False, "reason": "no"},
                 {"merged": ["expert:math:b"], "score": 0.625, "publish": True, "reason": "ok"},
-            ]
+            ],
         },
         "error": None,
     }
@@ -209,6 +228,12 @@ def test_report_shows_intervals_the_verdict_held_rounds_and_the_lead_plot(tmp_pa
     assert "<td>expert:code:c</td><td>0.250</td><td>held: no</td>" in tried
     assert "<td>expert:math:b</td><td>0.625</td><td>passes: ok</td>" in tried
     assert "tried again without a delta" not in round3
+    gate = round2.split("the own-domain gate", 1)[1].split("</table>", 1)[0]
+    assert "<td>expert:math:b</td><td>math</td><td>0.375</td><td>0.562</td><td>0.98</td>" in gate
+    assert "<td>0.00049</td><td>left out</td>" in gate
+    # A delta of a domain the coordinator does not evaluate: kept unscored.
+    assert "<td>expert:x:d</td><td>x</td><td>–</td><td>–</td><td>–</td><td>kept</td>" in gate
+    assert "own-domain gate" not in round3
 
     round1 = page.split("Round 1: held-out success", 1)[1].split("Round 2:", 1)[0]
     assert "<td>37.5%</td>" in round1 and "[" not in round1  # an old round: no intervals
