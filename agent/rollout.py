@@ -105,7 +105,9 @@ class Episode:
     calls still pending; they are not run), length (the turn hit max_new_tokens), context (the
     token budget is spent), stop_token (a stop token other than the end-of-turn token).
     `rendered_text` is the text the current sample's tokens stand for, kept to append later
-    turns exactly.
+    turns exactly. `guided` marks an episode no policy sampled: the environment's own solution,
+    added to a group that failed (`skillswarm.node.guidance`); its tokens carry no behaviour
+    logprobs.
     """
 
     task: Task
@@ -123,6 +125,7 @@ class Episode:
     finish_reason: str = "running"
     rendered_text: str = ""
     memory: dict[str, Any] = field(default_factory=dict)
+    guided: bool = False
 
     @property
     def tokens(self) -> ConversationTokens:

@@ -41,6 +41,7 @@ from skillswarm.node.checkpointing import (
     load_training_checkpoint,
     save_training_checkpoint,
 )
+from skillswarm.node.guidance import guide_unsolved_groups
 from skillswarm.node.loss import LossConfig
 from skillswarm.node.metrics import MetricsLogger, StalenessHistogram, StepTracker, read_metrics
 from skillswarm.node.train import PolicyGradientTrainer
@@ -69,6 +70,13 @@ class RLConfig(BaseModel):
     max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, description="per turn")
     context_policy: ContextPolicy = "full"
     loss: LossConfig = Field(default_factory=LossConfig)
+    guidance: float = Field(
+        default=0.0,
+        ge=0,
+        description="off-policy guidance (`node.guidance`): above 0, a group whose sampled "
+        "episodes all failed gets the environment's own solution as one more episode, its "
+        "advantages scaled by this weight; 0: off",
+    )
     max_staleness: int = Field(
         default=1, ge=0, description="policy versions a trained batch may lag; 0 is synchronous"
     )
@@ -94,6 +102,15 @@ class RLConfig(BaseModel):
     checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0: off")
     keep_checkpoints: int = Field(default=2, ge=1)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _guidance_needs_full_context(self) -> RLConfig:
+        if self.guidance > 0 and self.context_policy != "full":
+            raise ValueError(
+                "guidance tokenizes the whole solution as one sample, which needs "
+                f"context_policy = 'full', not {self.context_policy!r}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _lag_covers_weight_pushes(self) -> RLConfig:
@@ -224,6 +241,11 @@ class RolloutProducer(threading.Thread):
                 )
                 seconds = time.perf_counter() - started
                 sampled = sum(episode.num_sampled_tokens for episode in episodes)
+                if self.config.guidance > 0:
+                    engine = self.engine
+                    episodes += guide_unsolved_groups(
+                        self.env, engine.tokenizer, engine.tools, episodes
+                    )
                 self._put(Chunk(index, episodes, version, seconds, sampled))
         except BaseException as error:  # handed to the trainer, which raises it
             self._put(error)
@@ -286,6 +308,7 @@ class AsyncRLRun:
             reference_model=reference_model,
             optimizer=config.optimizer,
             adam_eps=config.adam_eps,
+            guidance_weight=config.guidance or 1.0,
         )
         self.backend = backend or HFBackend(copy.deepcopy(model).eval(), tokenizer)
         self.stop_requested = threading.Event()
@@ -392,7 +415,7 @@ class AsyncRLRun:
                 elapsed = time.perf_counter() - run_started
                 metrics = {
                     "step": float(step),
-                    **summarize_episodes(chunk.episodes),
+                    **summarize_episodes([e for e in chunk.episodes if not e.guided]),
                     **update,
                     "policy_version": float(version),
                     "staleness": float(lag),
@@ -412,7 +435,7 @@ class AsyncRLRun:
                 if metrics_log is not None:
                     metrics_log.log(step, metrics)
                 if self.tracker is not None:
-                    self.tracker.record(step, metrics, chunk.episodes)
+                    self.tracker.record(step, metrics, [e for e in chunk.episodes if not e.guided])
                 if self.on_step is not None:
                     self.on_step(metrics)
                 step += 1

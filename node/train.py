@@ -242,7 +242,10 @@ class PolicyGradientTrainer:
     importance-weighted surrogate of `node.loss` (clipped, truncated or masked ratios π_θ/μ, an
     optional KL penalty to a frozen reference). Samples whose every token has zero advantage
     (their group's returns all equal) are left out of the update; the token mean runs over the
-    loss tokens of the samples that remain, or of all samples with `mean_over="all"`.
+    loss tokens of the samples that remain, or of all samples with `mean_over="all"`. A guided
+    episode (`Episode.guided`, the environment's solution added to a failed group) has no
+    behaviour logprobs: the current policy's stand in for them, so its importance ratio is 1;
+    its advantages are scaled by `guidance_weight`.
     """
 
     def __init__(
@@ -262,6 +265,7 @@ class PolicyGradientTrainer:
         reference_model: PreTrainedModel | None = None,
         optimizer: str = "adamw",
         adam_eps: float = 1e-8,
+        guidance_weight: float = 1.0,
     ) -> None:
         if micro_batch_size < 1 or micro_batch_tokens < 1:
             raise ValueError("micro_batch_size and micro_batch_tokens must be positive")
@@ -279,6 +283,9 @@ class PolicyGradientTrainer:
         self.model = model
         self.tokenizer = tokenizer
         self.reference_model = reference_model
+        if guidance_weight <= 0:
+            raise ValueError(f"guidance_weight must be positive, got {guidance_weight}")
+        self.guidance_weight = guidance_weight
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
@@ -299,12 +306,19 @@ class PolicyGradientTrainer:
         config = self.loss_config
         owners = [episode for episode in episodes for _ in episode.samples]
         rows = [
-            (sample, advantages, episode.temperature)
+            (
+                sample,
+                [a * self.guidance_weight for a in advantages] if episode.guided else advantages,
+                episode.temperature,
+            )
             for episode, (sample, advantages) in zip(
                 owners, episode_token_advantages(episodes, config), strict=True
             )
             if any(a != 0.0 for a, m in zip(advantages, sample.loss_mask, strict=True) if m)
         ]
+        guided = {
+            id(sample) for episode in episodes if episode.guided for sample in episode.samples
+        }
         trained = {id(sample) for sample, _, _ in rows}
         trained_episodes = sum(
             any(id(sample) in trained for sample in episode.samples) for episode in episodes
@@ -312,6 +326,7 @@ class PolicyGradientTrainer:
         metrics: dict[str, float] = {
             "loss": 0.0,
             "trained_episodes": float(trained_episodes),
+            "guided_episodes": float(sum(episode.guided for episode in episodes)),
             "trained_tokens": 0.0,
             "clip_fraction": 0.0,
             "masked_fraction": 0.0,
@@ -354,6 +369,15 @@ class PolicyGradientTrainer:
             new_logprobs = token_logprobs(
                 self.model, input_ids, attention_mask, temperatures, shared_prefix=prefix
             )
+            guided_rows = torch.tensor([id(sample) in guided for sample, _, _ in part])
+            if bool(guided_rows.any()):
+                # No policy sampled a guided episode: its behaviour logprobs are the current
+                # policy's own (importance ratio 1).
+                old_logprobs = torch.where(
+                    guided_rows.view(-1, 1).to(new_logprobs.device),
+                    new_logprobs.detach(),
+                    old_logprobs.to(new_logprobs.device),
+                )
             reference = None
             if self.reference_model is not None and config.kl_coef > 0:
                 with torch.no_grad():
