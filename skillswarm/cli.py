@@ -198,13 +198,23 @@ def env_try(
     temperature: Annotated[float, typer.Option(min=0.01)] = 1.0,
     greedy: bool = False,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
+    families: Annotated[
+        bool,
+        typer.Option("--families", help="instead of the episodes, show success per task family"),
+    ] = False,
 ) -> None:
-    """Play N episodes of DOMAIN with a model (or the solver) and show them turn by turn."""
+    """Play N episodes of DOMAIN with a model (or the solver) and show them turn by turn, or
+    with --families the success rate of each kind of task."""
     from skillswarm.agent.envs import TasksFileNotSupportedError, UnknownEnvironmentError
     from skillswarm.agent.envs.base import InvalidSplitError
     from skillswarm.agent.envs.taskfiles import TaskFileError
     from skillswarm.agent.model import CheckpointLoadError
-    from skillswarm.envview import play_for_viewing, print_episode, summary_table
+    from skillswarm.envview import (
+        families_table,
+        play_for_viewing,
+        print_episode,
+        summary_table,
+    )
 
     if solver and model is not None:
         _fail(ValueError("give either --model PATH or --solver, not both"))
@@ -230,8 +240,11 @@ def env_try(
     ) as exc:
         _fail(exc)
         return
-    for index, episode in enumerate(episodes):
-        print_episode(out, index, episode)
+    if families:
+        out.print(families_table(episodes))
+    else:
+        for index, episode in enumerate(episodes):
+            print_episode(out, index, episode)
     out.print(summary_table(episodes))
 
 

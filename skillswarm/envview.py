@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from skillswarm.agent.envs import get_environment, list_environments
-from skillswarm.agent.envs.base import Environment
+from skillswarm.agent.envs.base import Environment, Task
 from skillswarm.agent.rollout import Episode, RolloutEngine, summarize_episodes
 
 ROLE_STYLES = {"system": "dim", "user": "cyan", "assistant": "green", "tool": "yellow"}
@@ -97,4 +97,25 @@ def summary_table(episodes: list[Episode]) -> Table:
     for key in keys:
         table.add_column(key)
     table.add_row(*(f"{summary.get(key, 0.0):.3g}" for key in keys))
+    return table
+
+
+def task_family(task: Task) -> str:
+    """The kind of task its generator names (`add`, `repeat`, `founder>born_in`…), "–" if none."""
+    return str(task.metadata.get("family") or "–")
+
+
+def families_table(episodes: list[Episode]) -> Table:
+    """Episodes and success rate per task family, the most common family first: where a model
+    fails, and where RL has no success in a group to learn from."""
+    counts: dict[str, list[int]] = {}
+    for episode in episodes:
+        tally = counts.setdefault(task_family(episode.task), [0, 0])
+        tally[0] += 1
+        tally[1] += int(episode.success)
+    table = Table(title="success per task family")
+    for column in ("family", "episodes", "success_rate"):
+        table.add_column(column)
+    for family, (total, won) in sorted(counts.items(), key=lambda item: (-item[1][0], item[0])):
+        table.add_row(family, str(total), f"{won / total:.3g}")
     return table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,16 @@ def test_env_try_with_a_model_folder(tiny_base):
     tried = _cli("env", "try", "math", "--n", "2", "--model", str(tiny_base), "--greedy")
     assert tried.returncode == 0, tried.stderr
     assert tried.stdout.count("episode ") == 2 and "summary" in tried.stdout
+    by_family = _cli("env", "try", "code", "--n", "12", "--solver", "--families")
+    assert by_family.returncode == 0, by_family.stderr
+    assert "success per task family" in by_family.stdout and "episode " not in by_family.stdout
+    table = by_family.stdout.split("success per task family", 1)[1].split("summary", 1)[0]
+    rows = re.findall(r"│ (\w+) +│ (\d+) +│ ([\d.]+) +│", table)
+    assert sum(int(count) for _, count, _ in rows) == 12 and len(rows) > 1
+    assert {rate for _, _, rate in rows} == {"1"}  # the solver solves every task
+    searched = _cli("env", "try", "search", "--n", "6", "--solver", "--families")
+    assert searched.returncode == 0, searched.stderr
+    assert re.search(r"│ [a-z_]+>[a-z_]+ +│", searched.stdout)  # two-hop relation chains
     missing = _cli("env", "try", "math", "--model", "/nonexistent/model")
     assert missing.returncode == 1 and "config.json" in missing.stderr
 
