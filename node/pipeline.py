@@ -244,7 +244,12 @@ class RolloutProducer(threading.Thread):
                 if self.config.guidance > 0:
                     engine = self.engine
                     episodes += guide_unsolved_groups(
-                        self.env, engine.tokenizer, engine.tools, episodes
+                        self.env,
+                        engine.tokenizer,
+                        engine.tools,
+                        episodes,
+                        max_new_tokens=engine.max_new_tokens,
+                        max_total_tokens=engine.max_total_tokens,
                     )
                 self._put(Chunk(index, episodes, version, seconds, sampled))
         except BaseException as error:  # handed to the trainer, which raises it

@@ -13,10 +13,10 @@ from skillswarm.agent.envs import get_environment
 from skillswarm.agent.envs.math import MathEnvironment
 from skillswarm.agent.envs.search import SearchEnvironment
 from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
-from skillswarm.agent.rollout import play_episodes, tokenize_demonstration
+from skillswarm.agent.rollout import Episode, play_episodes, tokenize_demonstration
 from skillswarm.node.bootstrap import render_demonstrations
 from skillswarm.node.guidance import guide_unsolved_groups, solution_episode
-from skillswarm.node.loss import LossConfig
+from skillswarm.node.loss import LossConfig, episode_token_advantages, group_advantages
 from skillswarm.node.pipeline import AsyncRLRun, RLConfig
 from skillswarm.node.train import PolicyGradientTrainer, token_logprobs
 
@@ -126,7 +126,8 @@ def test_a_guided_episode_trains_at_ratio_one_toward_the_solution(
 
 def test_guidance_needs_the_full_context_policy() -> None:
     with pytest.raises(ValueError, match="context_policy"):
-        RLConfig(guidance=1.0, context_policy="last_turn")
+        RLConfig(guidance=1.0, context_policy="drop_reasoning")
+    assert RLConfig(guidance=0.0, context_policy="drop_reasoning").guidance == 0.0
 
 
 def test_a_run_with_guidance_adds_one_solution_to_each_failed_group(
@@ -137,7 +138,7 @@ def test_a_run_with_guidance_adds_one_solution_to_each_failed_group(
         steps=2,
         tasks_per_step=3,
         samples_per_task=2,
-        max_new_tokens=8,
+        max_new_tokens=48,
         learning_rate=1e-3,
         guidance=0.5,
     )
@@ -189,3 +190,73 @@ def test_the_guidance_weight_scales_the_solution_s_advantages(
     assert losses[0] < 0 and losses[1] == pytest.approx(0.25 * losses[0], rel=1e-5)
     with pytest.raises(ValueError, match="guidance_weight"):
         PolicyGradientTrainer(model, tokenizer, guidance_weight=0.0)
+
+
+def test_the_solution_s_tool_turns_earn_the_turn_credit_a_sampled_turn_would(tokenizer) -> None:
+    env = get_environment("search")
+    task = next(t for t in env.tasks("train", 20, seed=0) if len(t.metadata["relations"]) == 2)
+    guides = guide_unsolved_groups(env, tokenizer, env.tool_schemas(), [_failed(task)])
+    assert len(guides) == 1
+    rewards = guides[0].turn_rewards
+    assert len(rewards) == guides[0].num_turns == 5  # search, ask, search, ask, answer
+    # Every search shows a needed document and every ask names the next entity of the path.
+    assert rewards == [env.search_credit, env.fact_credit] * 2 + [0.0]
+
+
+def test_a_solution_longer_than_the_turn_budget_is_not_used(tokenizer, env) -> None:
+    task = env.tasks("train", 1, seed=0)[0]
+    tools = env.tool_schemas()
+    kept = guide_unsolved_groups(env, tokenizer, tools, [_failed(task)])
+    assert len(kept) == 1
+    longest = max(
+        sum(1 for t, m in zip(kept[0].turn_index, kept[0].loss_mask, strict=True) if m and t == k)
+        for k in range(kept[0].num_turns)
+    )
+    assert guide_unsolved_groups(env, tokenizer, tools, [_failed(task)], max_new_tokens=longest)
+    assert not guide_unsolved_groups(
+        env, tokenizer, tools, [_failed(task)], max_new_tokens=longest - 1
+    )
+    assert not guide_unsolved_groups(
+        env, tokenizer, tools, [_failed(task)], max_total_tokens=len(kept[0].token_ids) - 1
+    )
+
+
+def test_a_solver_that_breaks_leaves_the_group_unguided_and_warns_once(
+    tokenizer, env, caplog
+) -> None:
+    class BrokenSolver(MathEnvironment):
+        def solve(self, task):
+            raise KeyError("no such table")
+
+    broken = BrokenSolver()
+    tasks = broken.tasks("train", 2, seed=0)
+    with caplog.at_level("WARNING", logger="skillswarm.node.guidance"):
+        guides = guide_unsolved_groups(
+            broken, tokenizer, broken.tool_schemas(), [_failed(t) for t in tasks]
+        )
+    assert guides == []
+    warnings = [r for r in caplog.records if "BrokenSolver" in r.getMessage()]
+    assert len(warnings) == 1 and "KeyError" in warnings[0].getMessage()
+
+
+def test_failed_samples_of_a_guided_group_get_pushed_down(tokenizer, env) -> None:
+    """Without the solution, a group of failures trains nothing; with it the group has one
+    success, so its failed samples get the negative advantage of their group (scaled by
+    negative_advantage_weight, not by the guidance weight)."""
+    task = env.tasks("train", 1, seed=0)[0]
+    failed = [_failed(task, index) for index in range(3)]
+    guide = guide_unsolved_groups(env, tokenizer, env.tool_schemas(), failed)[0]
+    config = LossConfig(turn_reward_weight=0.0)
+    advantages = [a for _, a in episode_token_advantages([*failed, guide], config)]
+    assert all(value == 0.0 for row in episode_token_advantages(failed, config) for value in row[1])
+    expected = group_advantages([0.0, 0.0, 0.0, 1.0], ["g"] * 4, normalize_std=True)
+    for row, value in zip(advantages, expected, strict=True):
+        assert {round(a, 6) for a in row if a != 0.0} == {round(value, 6)}
+
+
+def _failed(task, index: int = 0) -> Episode:
+    """A sampled episode of `task` that failed: one token written, reward 0."""
+    episode = Episode(task=task, sample_index=index, messages=[], temperature=0.7)
+    episode.tokens.add_sampled([1], [-1.0], turn=0)
+    episode.turn_rewards = [0.0]
+    return episode
