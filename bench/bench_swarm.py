@@ -101,13 +101,16 @@ def train_steps(
     synchronous: bool = False,
     carried: Path | None = None,
     round_number: int = 0,
+    guidance: float | None = None,
 ) -> tuple[list[dict[str, float]], torch.optim.Optimizer]:
     """`steps` RL steps of `domain`'s recipe on `model` (in place). With `optimizer`, training
     goes on with it (its momentum kept) at this recipe's learning rate; with `carried`, a fresh
     optimizer starts from the state an earlier round saved there when there is one, and its state
     is saved there at the end for round `round_number`, as a node's with keep_optimizer_state.
-    Returns the history and the optimizer."""
+    `guidance`, when given, replaces the recipe's. Returns the history and the optimizer."""
     update: dict[str, Any] = {"steps": steps, "seed": seed}
+    if guidance is not None:
+        update["guidance"] = guidance
     if synchronous:
         update["max_staleness"] = 0
     recipe = recipe_for(domain).model_copy(update=update)
@@ -211,6 +214,7 @@ class Bench:
                     args.steps[domain],
                     self.seed(number, index),
                     expert_optimizers[domain],
+                    guidance=args.guidance,
                 )
             self.arms["experts"].rounds[number] = {
                 d: self.score(experts[d], (d,))[d] for d in DOMAINS
@@ -226,6 +230,7 @@ class Bench:
                             self.seed(number, index) + step,
                             mixed_optimizer,
                             synchronous=True,
+                            guidance=args.guidance,
                         )
             self.arms["mixed"].rounds[number] = self.score(mixed)
             self.print_round(number)
@@ -260,6 +265,7 @@ class Bench:
                     if self.args.keep_node_optimizer
                     else None
                 ),
+                guidance=self.args.guidance,
                 round_number=number,
             )
             state = model.state_dict()
@@ -416,6 +422,7 @@ class Bench:
                 "outer": self.config.outer.model_dump(),
                 "publish": self.config.publish.model_dump(),
                 "recipes": {d: recipe_for(d).model_dump() for d in DOMAINS},
+                "guidance": self.args.guidance,
             },
             "arms": {
                 name: {str(r): compact(rows) for r, rows in arm.rounds.items()}
@@ -519,6 +526,14 @@ def main() -> int:
         help="each node's optimizer state (SGD momentum) carries over to its next round, as the "
         "experts' does, instead of starting fresh after the rebase (the node's "
         "keep_optimizer_state; default %(default)s)",
+    )
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        metavar="W",
+        help="every domain's off-policy guidance weight (0: off); default: each recipe's "
+        + ", ".join(f"{d} {recipe_for(d).guidance:g}" for d in DOMAINS),
     )
     parser.add_argument(
         "--no-subsets",
