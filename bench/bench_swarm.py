@@ -18,10 +18,11 @@ per domain per round for every arm) and `results.json` into --out.
 
 Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=90,code=16,search=10]
 [--eval-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm] [--outer-lr 1]
-[--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer]`. Without --base it uses the
-embedded base shipped in the package (`skillswarm bootstrap` rebuilds one). `--help` prints the
-step budget of each arm. Exits 1 when, after the last round, the published model does not beat
-the base by --min-gain points with the paired interval above zero on every domain.
+[--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer] [--guidance math=0.25,…]`.
+Without --base it uses the embedded base shipped in the package (`skillswarm bootstrap` rebuilds
+one). `--help` prints the step budget of each arm. Exits 1 when, after the last round, the
+published model does not beat the base by --min-gain points with the paired interval above zero
+on every domain.
 """
 
 from __future__ import annotations
@@ -80,6 +81,28 @@ def parse_steps(text: str) -> dict[str, int]:
     if set(steps) != set(DOMAINS) or min(steps.values()) < 1:
         raise argparse.ArgumentTypeError(f"--steps needs N ≥ 1 for each of {', '.join(DOMAINS)}")
     return steps
+
+
+def parse_guidance(text: str) -> dict[str, float]:
+    """`math=0.25,code=0.25` → guidance weight per named domain (the others keep their recipe's);
+    a bare `W` sets every domain's."""
+    try:
+        if "=" not in text:
+            weights = dict.fromkeys(DOMAINS, float(text))
+        else:
+            weights = {}
+            for part in text.split(","):
+                name, _, value = part.partition("=")
+                if name.strip() not in DOMAINS:
+                    raise ValueError(name)
+                weights[name.strip()] = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--guidance takes W or DOMAIN=W,… for domains among {', '.join(DOMAINS)}; got {text!r}"
+        ) from None
+    if not all(0 <= weight < float("inf") for weight in weights.values()):
+        raise argparse.ArgumentTypeError(f"--guidance weights must be 0 or more; got {text!r}")
+    return weights
 
 
 def folder_id(folder: Path) -> str:
@@ -214,7 +237,7 @@ class Bench:
                     args.steps[domain],
                     self.seed(number, index),
                     expert_optimizers[domain],
-                    guidance=args.guidance,
+                    guidance=args.guidance.get(domain),
                 )
             self.arms["experts"].rounds[number] = {
                 d: self.score(experts[d], (d,))[d] for d in DOMAINS
@@ -230,7 +253,7 @@ class Bench:
                             self.seed(number, index) + step,
                             mixed_optimizer,
                             synchronous=True,
-                            guidance=args.guidance,
+                            guidance=args.guidance.get(domain),
                         )
             self.arms["mixed"].rounds[number] = self.score(mixed)
             self.print_round(number)
@@ -265,7 +288,7 @@ class Bench:
                     if self.args.keep_node_optimizer
                     else None
                 ),
-                guidance=self.args.guidance,
+                guidance=self.args.guidance.get(domain),
                 round_number=number,
             )
             state = model.state_dict()
@@ -529,11 +552,13 @@ def main() -> int:
     )
     parser.add_argument(
         "--guidance",
-        type=float,
-        default=None,
-        metavar="W",
-        help="every domain's off-policy guidance weight (0: off); default: each recipe's "
-        + ", ".join(f"{d} {recipe_for(d).guidance:g}" for d in DOMAINS),
+        type=parse_guidance,
+        default={},
+        metavar="W|DOMAIN=W,…",
+        help="off-policy guidance weight (0: off) of every domain, or of the domains named; "
+        "the others keep their recipe's ("
+        + ", ".join(f"{d} {recipe_for(d).guidance:g}" for d in DOMAINS)
+        + ")",
     )
     parser.add_argument(
         "--no-subsets",

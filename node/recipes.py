@@ -19,10 +19,9 @@ class NoRecipeError(KeyError):
 # SGD with momentum, not AdamW: AdamW's uniform step sizes erase the tiny model's copying.
 _SGD_LEARNING_RATE = 0.01
 _OUTCOME_ONLY = LossConfig(turn_reward_weight=0.0)
-# Off-policy guidance (`node.guidance`) at a quarter weight: a group with no success gets the
-# solver's solution. Whole families the base never solves (code's `repeat`) become learnable; at
-# full weight the solutions' updates swung other families up and down.
-_GUIDANCE = 0.25
+# No off-policy guidance (`node.guidance`, `guidance = 0.25`): it made math and code RL learn
+# more (code's `repeat` family, which the base never solves, became learnable), but the merged
+# model did not gain from the stronger deltas (docs/merging.md).
 
 DOMAIN_RECIPES: dict[str, RLConfig] = {
     # Outcome-only advantages at 0.007: 0.01 once collapsed the policy mid-run.
@@ -36,7 +35,6 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
         temperature=0.7,
         max_staleness=1,
         loss=_OUTCOME_ONLY,
-        guidance=_GUIDANCE,
     ),
     # Groups of 8 at temperature 0.5: all-or-nothing families need a success in the group.
     "code": RLConfig(
@@ -48,12 +46,9 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
         temperature=0.5,
         max_staleness=1,
         loss=_OUTCOME_ONLY,
-        guidance=_GUIDANCE,
     ),
     # Groups of 4 for more steps in the time; per-turn credit kept for searches and reads; the
     # better samples only: with failed episodes pushed down, search's tool use collapsed at T 0.4.
-    # No guidance: the solver's solutions lowered held-out search at full weight and did not
-    # raise it at a quarter.
     "search": RLConfig(
         steps=10,
         tasks_per_step=8,
