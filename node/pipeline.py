@@ -418,9 +418,10 @@ class AsyncRLRun:
                     self._push_weights(version)
                 gate.consumed()
                 elapsed = time.perf_counter() - run_started
+                sampled = [episode for episode in chunk.episodes if not episode.guided]
                 metrics = {
                     "step": float(step),
-                    **summarize_episodes([e for e in chunk.episodes if not e.guided]),
+                    **summarize_episodes(sampled),
                     **update,
                     "policy_version": float(version),
                     "staleness": float(lag),
@@ -440,7 +441,7 @@ class AsyncRLRun:
                 if metrics_log is not None:
                     metrics_log.log(step, metrics)
                 if self.tracker is not None:
-                    self.tracker.record(step, metrics, [e for e in chunk.episodes if not e.guided])
+                    self.tracker.record(step, metrics, sampled)
                 if self.on_step is not None:
                     self.on_step(metrics)
                 step += 1

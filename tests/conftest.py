@@ -108,3 +108,23 @@ def not_a_coordinator() -> Iterator[str]:
     server.shutdown()
     server.server_close()
     thread.join(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def math_env():
+    """The math environment (generated arithmetic tasks with a calculator)."""
+    from skillswarm.agent.envs import get_environment
+
+    return get_environment("math")
+
+
+@pytest.fixture(scope="session")
+def math_tokenizer(math_env):
+    """A byte-level tokenizer trained on the chat template and 300 math solver demonstrations:
+    small tiny models built on it train in seconds."""
+    from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tokenizer
+    from skillswarm.node.bootstrap import render_demonstrations
+
+    renderer = build_tokenizer(TEMPLATE_FIXED_STRINGS)
+    corpus = list(TEMPLATE_FIXED_STRINGS) + render_demonstrations(renderer, [math_env], 300, seed=0)
+    return build_tokenizer(corpus)

@@ -12,9 +12,8 @@ import torch
 from skillswarm.agent.envs import get_environment
 from skillswarm.agent.envs.math import MathEnvironment
 from skillswarm.agent.envs.search import SearchEnvironment
-from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tiny_model, build_tokenizer
+from skillswarm.agent.model import build_tiny_model
 from skillswarm.agent.rollout import Episode, play_episodes, tokenize_demonstration
-from skillswarm.node.bootstrap import render_demonstrations
 from skillswarm.node.guidance import guide_unsolved_groups, solution_episode
 from skillswarm.node.loss import LossConfig, episode_token_advantages, group_advantages
 from skillswarm.node.pipeline import AsyncRLRun, RLConfig
@@ -22,15 +21,13 @@ from skillswarm.node.train import PolicyGradientTrainer, token_logprobs
 
 
 @pytest.fixture(scope="module")
-def env() -> MathEnvironment:
-    return get_environment("math")  # type: ignore[return-value]
+def env(math_env) -> MathEnvironment:
+    return math_env
 
 
 @pytest.fixture(scope="module")
-def tokenizer(env: MathEnvironment):
-    renderer = build_tokenizer(TEMPLATE_FIXED_STRINGS)
-    corpus = list(TEMPLATE_FIXED_STRINGS) + render_demonstrations(renderer, [env], 200, seed=0)
-    return build_tokenizer(corpus)
+def tokenizer(math_tokenizer):
+    return math_tokenizer
 
 
 def _sampled(model, tokenizer, env, n_tasks: int, samples: int):

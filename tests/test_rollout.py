@@ -7,12 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from skillswarm.agent.envs import get_environment
 from skillswarm.agent.envs.base import Task
 from skillswarm.agent.envs.math import MathEnvironment
 from skillswarm.agent.evaluate import evaluate_checkpoint
 from skillswarm.agent.inference import Generation, HFBackend
-from skillswarm.agent.model import TEMPLATE_FIXED_STRINGS, build_tokenizer, load_policy
+from skillswarm.agent.model import load_policy
 from skillswarm.agent.rollout import (
     PROMPT_TURN,
     RolloutEngine,
@@ -22,7 +21,6 @@ from skillswarm.agent.rollout import (
     summarize_episodes,
     tokenize_demonstration,
 )
-from skillswarm.node.bootstrap import render_demonstrations
 from skillswarm.node.train import token_logprobs
 from transformers import GenerationConfig, Qwen2Config
 
@@ -82,15 +80,13 @@ class ScriptedPolicy(torch.nn.Module):
 
 
 @pytest.fixture(scope="module")
-def env() -> MathEnvironment:
-    return get_environment("math")  # type: ignore[return-value]
+def env(math_env) -> MathEnvironment:
+    return math_env
 
 
 @pytest.fixture(scope="module")
-def tokenizer(env: MathEnvironment):
-    renderer = build_tokenizer(TEMPLATE_FIXED_STRINGS)
-    corpus = list(TEMPLATE_FIXED_STRINGS) + render_demonstrations(renderer, [env], 300, seed=0)
-    return build_tokenizer(corpus)
+def tokenizer(math_tokenizer):
+    return math_tokenizer
 
 
 @pytest.fixture(scope="module")

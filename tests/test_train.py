@@ -26,15 +26,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 
 @pytest.fixture(scope="module")
-def env() -> MathEnvironment:
-    return get_environment("math")  # type: ignore[return-value]
+def env(math_env) -> MathEnvironment:
+    return math_env
 
 
 @pytest.fixture(scope="module")
-def tokenizer(env: MathEnvironment):
-    renderer = build_tokenizer(TEMPLATE_FIXED_STRINGS)
-    corpus = list(TEMPLATE_FIXED_STRINGS) + render_demonstrations(renderer, [env], 300, seed=0)
-    return build_tokenizer(corpus)
+def tokenizer(math_tokenizer):
+    return math_tokenizer
 
 
 def _sequence_logprob(model, episode: Episode) -> float:
