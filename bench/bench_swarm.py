@@ -18,7 +18,8 @@ per domain per round for every arm) and `results.json` into --out.
 
 Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=90,code=16,search=10]
 [--eval-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm] [--outer-lr 1]
-[--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer] [--guidance math=0.25,…]`.
+[--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer] [--guidance math=0.25,…]
+[--kl math=0.1,…]`.
 Without --base it uses the embedded base shipped in the package (`skillswarm bootstrap` rebuilds
 one). `--help` prints the step budget of each arm. Exits 1 when, after the last round, the
 published model does not beat the base by --min-gain points with the paired interval above zero
@@ -28,11 +29,13 @@ on every domain.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,26 +86,31 @@ def parse_steps(text: str) -> dict[str, int]:
     return steps
 
 
-def parse_guidance(text: str) -> dict[str, float]:
-    """`math=0.25,code=0.25` → guidance weight per named domain (the others keep their recipe's);
-    a bare `W` sets every domain's."""
-    try:
-        if "=" not in text:
-            weights = dict.fromkeys(DOMAINS, float(text))
-        else:
-            weights = {}
-            for part in text.split(","):
-                name, _, value = part.partition("=")
-                if name.strip() not in DOMAINS:
-                    raise ValueError(name)
-                weights[name.strip()] = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--guidance takes W or DOMAIN=W,… for domains among {', '.join(DOMAINS)}; got {text!r}"
-        ) from None
-    if not all(0 <= weight < float("inf") for weight in weights.values()):
-        raise argparse.ArgumentTypeError(f"--guidance weights must be 0 or more; got {text!r}")
-    return weights
+def parse_weights(option: str) -> Callable[[str], dict[str, float]]:
+    """The parser of `option`'s value: `math=0.25,code=0.25` → a weight per named domain (the
+    others keep their recipe's); a bare `W` sets every domain's."""
+
+    def parse(text: str) -> dict[str, float]:
+        try:
+            if "=" not in text:
+                weights = dict.fromkeys(DOMAINS, float(text))
+            else:
+                weights = {}
+                for part in text.split(","):
+                    name, _, value = part.partition("=")
+                    if name.strip() not in DOMAINS:
+                        raise ValueError(name)
+                    weights[name.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{option} takes W or DOMAIN=W,… for domains among {', '.join(DOMAINS)}; "
+                f"got {text!r}"
+            ) from None
+        if not all(0 <= weight < float("inf") for weight in weights.values()):
+            raise argparse.ArgumentTypeError(f"{option} weights must be 0 or more; got {text!r}")
+        return weights
+
+    return parse
 
 
 def folder_id(folder: Path) -> str:
@@ -125,19 +133,28 @@ def train_steps(
     carried: Path | None = None,
     round_number: int = 0,
     guidance: float | None = None,
+    kl_coef: float | None = None,
+    reference: Any = None,
 ) -> tuple[list[dict[str, float]], torch.optim.Optimizer]:
     """`steps` RL steps of `domain`'s recipe on `model` (in place). With `optimizer`, training
     goes on with it (its momentum kept) at this recipe's learning rate; with `carried`, a fresh
     optimizer starts from the state an earlier round saved there when there is one, and its state
     is saved there at the end for round `round_number`, as a node's with keep_optimizer_state.
-    `guidance`, when given, replaces the recipe's. Returns the history and the optimizer."""
+    `guidance` and `kl_coef`, when given, replace the recipe's. With a KL term, `reference` is
+    the model it is measured against (default: a frozen copy of `model` as it starts, the
+    round's base as a node keeps it). Returns the history and the optimizer."""
+    recipe = recipe_for(domain)
     update: dict[str, Any] = {"steps": steps, "seed": seed}
     if guidance is not None:
         update["guidance"] = guidance
+    if kl_coef is not None:
+        update["loss"] = recipe.loss.model_copy(update={"kl_coef": kl_coef})
     if synchronous:
         update["max_staleness"] = 0
-    recipe = recipe_for(domain).model_copy(update=update)
-    run = AsyncRLRun(model, tokenizer, get_environment(domain), recipe)
+    recipe = recipe.model_copy(update=update)
+    if recipe.loss.kl_coef == 0:
+        reference = None
+    run = AsyncRLRun(model, tokenizer, get_environment(domain), recipe, reference_model=reference)
     if optimizer is not None:
         for group in optimizer.param_groups:
             group["lr"] = recipe.learning_rate
@@ -149,6 +166,11 @@ def train_steps(
         save_optimizer_state(carried, run.trainer.optimizer, domain=domain, round=round_number)
     model.eval()
     return history, run.trainer.optimizer
+
+
+def frozen_copy(model: Any) -> Any:
+    """A copy of `model` in eval mode, the reference a KL term is measured against."""
+    return copy.deepcopy(model).eval()
 
 
 @dataclass
@@ -238,11 +260,14 @@ class Bench:
                     self.seed(number, index),
                     expert_optimizers[domain],
                     guidance=args.guidance.get(domain),
+                    kl_coef=args.kl.get(domain),
                 )
             self.arms["experts"].rounds[number] = {
                 d: self.score(experts[d], (d,))[d] for d in DOMAINS
             }
             self.log(f"round {number}: mixed, {sum(args.steps.values())} steps in turn")
+            # As a node's, a KL term holds the mixed model near where the round started.
+            mixed_reference = frozen_copy(mixed[0])
             for step in range(max(args.steps.values())):
                 for index, domain in enumerate(DOMAINS):
                     if step < args.steps[domain]:
@@ -254,6 +279,8 @@ class Bench:
                             mixed_optimizer,
                             synchronous=True,
                             guidance=args.guidance.get(domain),
+                            kl_coef=args.kl.get(domain),
+                            reference=mixed_reference,
                         )
             self.arms["mixed"].rounds[number] = self.score(mixed)
             self.print_round(number)
@@ -289,6 +316,7 @@ class Bench:
                     else None
                 ),
                 guidance=self.args.guidance.get(domain),
+                kl_coef=self.args.kl.get(domain),
                 round_number=number,
             )
             state = model.state_dict()
@@ -446,6 +474,7 @@ class Bench:
                 "publish": self.config.publish.model_dump(),
                 "recipes": {d: recipe_for(d).model_dump() for d in DOMAINS},
                 "guidance": self.args.guidance,
+                "kl": self.args.kl,
             },
             "arms": {
                 name: {str(r): compact(rows) for r, rows in arm.rounds.items()}
@@ -552,12 +581,22 @@ def main() -> int:
     )
     parser.add_argument(
         "--guidance",
-        type=parse_guidance,
+        type=parse_weights("--guidance"),
         default={},
         metavar="W|DOMAIN=W,…",
         help="off-policy guidance weight (0: off) of every domain, or of the domains named; "
         "the others keep their recipe's ("
         + ", ".join(f"{d} {recipe_for(d).guidance:g}" for d in DOMAINS)
+        + ")",
+    )
+    parser.add_argument(
+        "--kl",
+        type=parse_weights("--kl"),
+        default={},
+        metavar="K|DOMAIN=K,…",
+        help="the KL term's weight to the round's base (0: off) of every domain, or of the "
+        "domains named; the others keep their recipe's ("
+        + ", ".join(f"{d} {recipe_for(d).loss.kl_coef:g}" for d in DOMAINS)
         + ")",
     )
     parser.add_argument(

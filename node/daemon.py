@@ -673,6 +673,10 @@ def training_summary(config: NodeConfig) -> str:
         f"{optimizer} lr {train.learning_rate:g}, temperature {train.temperature:g}, "
         f"{train.tasks_per_step} tasks x {train.samples_per_task} samples"
     )
+    if train.loss.kl_coef > 0:
+        settings += f", KL to the round's base {train.loss.kl_coef:g}"
+    if train.guidance > 0:
+        settings += f", guidance {train.guidance:g}"
     values = train.model_dump()
     overridden = []
     for path in config.train_overrides:

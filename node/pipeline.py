@@ -273,7 +273,9 @@ class AsyncRLRun:
     and the producer thread between them. `run()` trains `config.steps` steps (continuing from
     the last checkpoint in `checkpoint_dir` when there is one) and returns each step's metrics;
     each step's metrics also go to `metrics_path` (JSONL) and `tracker` when given.
-    `tool_call_format` names the rollouts' tool-call format (None: the chat template's)."""
+    `tool_call_format` names the rollouts' tool-call format (None: the chat template's).
+    With `config.loss.kl_coef` above 0 the KL term is measured against `reference_model`, or,
+    when none is given, a frozen copy of `model` as the run starts."""
 
     def __init__(
         self,
@@ -293,6 +295,9 @@ class AsyncRLRun:
         if config.checkpoint_every and checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
         model.to(resolve_device(config.device))
+        if config.loss.kl_coef > 0 and reference_model is None:
+            # The KL term's reference: the policy as the run starts (a node's round base).
+            reference_model = copy.deepcopy(model).eval()
         self.model = model
         self.tokenizer = tokenizer
         self.env = env

@@ -18,10 +18,15 @@ class NoRecipeError(KeyError):
 
 # SGD with momentum, not AdamW: AdamW's uniform step sizes erase the tiny model's copying.
 _SGD_LEARNING_RATE = 0.01
-_OUTCOME_ONLY = LossConfig(turn_reward_weight=0.0)
-# No off-policy guidance (`node.guidance`, `guidance = 0.25`): it made math and code RL learn
-# more (code's `repeat` family, which the base never solves, became learnable), but the merged
-# model did not gain from the stronger deltas (docs/merging.md).
+# A KL term to the round's base at 0.1 in every domain: without it a math round's delta (90
+# steps) cost code 9 to 29 points held-out while math gained 12 to 17; with it code moved −6
+# to +2 and math gained 11 to 17 (docs/training.md, "The KL term to the round's base").
+_KL_TO_BASE = 0.1
+_OUTCOME_ONLY = LossConfig(turn_reward_weight=0.0, kl_coef=_KL_TO_BASE)
+# Off-policy guidance (`node.guidance`) at 0.25 for math and code: the solution joins a group
+# that failed; code's `repeat` family, which the base never solves, becomes learnable. Not for
+# search, whose learning it slowed (docs/training.md, "Off-policy guidance").
+_GUIDANCE = 0.25
 
 DOMAIN_RECIPES: dict[str, RLConfig] = {
     # Outcome-only advantages at 0.007: 0.01 once collapsed the policy mid-run.
@@ -34,6 +39,7 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
         learning_rate=0.007,
         temperature=0.7,
         max_staleness=1,
+        guidance=_GUIDANCE,
         loss=_OUTCOME_ONLY,
     ),
     # Groups of 8 at temperature 0.5: all-or-nothing families need a success in the group.
@@ -45,6 +51,7 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
         learning_rate=0.007,
         temperature=0.5,
         max_staleness=1,
+        guidance=_GUIDANCE,
         loss=_OUTCOME_ONLY,
     ),
     # Groups of 4 for more steps in the time; per-turn credit kept for searches and reads; the
@@ -57,7 +64,7 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
         learning_rate=_SGD_LEARNING_RATE,
         temperature=0.7,
         max_staleness=1,
-        loss=LossConfig(negative_advantage_weight=0.0),
+        loss=LossConfig(negative_advantage_weight=0.0, kl_coef=_KL_TO_BASE),
     ),
 }
 

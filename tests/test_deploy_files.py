@@ -267,6 +267,9 @@ def test_every_deploy_config_validates():
         _validated_config(config_file, _config_model_for(config_file))
     gpu_node = _validated_config(DEPLOY / "configs" / "node-gpu.toml", NodeConfig)
     assert gpu_node.inference.backend == "vllm"
+    # The CPU recipes' guidance and KL term are measured on the embedded base only.
+    assert gpu_node.train.guidance == 0.0
+    assert gpu_node.train.loss.kl_coef == 0.0
 
 
 # -- compose ---------------------------------------------------------------------------------

@@ -65,9 +65,9 @@ def _math_with(**changes: object) -> RLConfig:
 
 def test_fields_set_in_a_dict_override_the_recipe_one_by_one() -> None:
     config = NodeConfig.model_validate(
-        {"domain": "math", "train": {"steps": 20, "loss": {"kl_coef": 0.1}}}
+        {"domain": "math", "train": {"steps": 20, "loss": {"kl_coef": 0.2}}}
     )
-    assert config.train == _math_with(steps=20, loss={"kl_coef": 0.1})
+    assert config.train == _math_with(steps=20, loss={"kl_coef": 0.2})
     # The recipe's other loss settings stay: outcome-only advantages, not RLConfig's default.
     assert config.train.loss.turn_reward_weight == 0.0
     assert config.train.learning_rate == 0.007
@@ -76,13 +76,13 @@ def test_fields_set_in_a_dict_override_the_recipe_one_by_one() -> None:
 
 def test_fields_set_on_an_rl_config_override_the_recipe_one_by_one() -> None:
     config = NodeConfig(
-        domain="code", train=RLConfig(steps=20, loss=LossConfig(kl_coef=0.1, clip_high=0.28))
+        domain="code", train=RLConfig(steps=20, loss=LossConfig(kl_coef=0.2, clip_high=0.28))
     )
     expected = recipe_for("code")
     expected = expected.model_copy(
         update={
             "steps": 20,
-            "loss": expected.loss.model_copy(update={"kl_coef": 0.1, "clip_high": 0.28}),
+            "loss": expected.loss.model_copy(update={"kl_coef": 0.2, "clip_high": 0.28}),
         }
     )
     assert config.train == expected
@@ -129,7 +129,7 @@ def test_a_config_written_and_read_back_trains_the_same(tmp_path: Path, domain: 
     config = NodeConfig(
         work_dir=tmp_path / "node",
         domain=domain,
-        train=RLConfig(steps=20, loss=LossConfig(kl_coef=0.1)),
+        train=RLConfig(steps=20, loss=LossConfig(kl_coef=0.2)),
     )
     again = load_toml_config(write_toml_config(config, tmp_path / "node.toml"), NodeConfig)
     assert again.train == config.train
@@ -144,8 +144,8 @@ def test_a_config_written_and_read_back_trains_the_same(tmp_path: Path, domain: 
 def test_the_summary_names_the_recipe_its_settings_and_the_overrides() -> None:
     config = NodeConfig(domain="math", train={"steps": 20})
     assert training_summary(config) == (
-        "training with the math recipe (SGD lr 0.007, temperature 0.7, 8 tasks x 4 samples); "
-        "overridden: steps=20"
+        "training with the math recipe (SGD lr 0.007, temperature 0.7, 8 tasks x 4 samples, "
+        "KL to the round's base 0.1, guidance 0.25); overridden: steps=20"
     )
     plain = NodeConfig(domain="chess")
     assert training_summary(plain) == (
@@ -160,14 +160,14 @@ def test_a_starting_daemon_logs_its_training_settings(
     config = NodeConfig(
         work_dir=tmp_path,
         coordinator_url=not_a_coordinator,
-        train=RLConfig(steps=20, loss=LossConfig(kl_coef=0.1)),
+        train=RLConfig(steps=20, loss=LossConfig(kl_coef=0.2)),
     )
     with caplog.at_level(logging.INFO, logger="skillswarm.node.daemon"):
         with pytest.raises(httpx.HTTPStatusError):
             NodeDaemon(config).run()
     assert (
-        "training with the math recipe (SGD lr 0.007, temperature 0.7, 8 tasks x 4 samples); "
-        "overridden: loss.kl_coef=0.1, steps=20"
+        "training with the math recipe (SGD lr 0.007, temperature 0.7, 8 tasks x 4 samples, "
+        "KL to the round's base 0.2, guidance 0.25); overridden: loss.kl_coef=0.2, steps=20"
     ) in caplog.messages
 
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from skillswarm.agent.envs import get_environment
 from skillswarm.agent.model import (
     TEMPLATE_FIXED_STRINGS,
@@ -172,3 +173,20 @@ def test_sigterm_finishes_the_step_and_checkpoints(small_policy_dir, tmp_path) -
     stopped_at = _latest_step(out)
     logged = [int(record["step"]) for record in read_metrics(out / "metrics.jsonl")]
     assert logged == list(range(stopped_at))
+
+
+def test_a_kl_term_without_a_given_reference_measures_against_the_starting_weights(
+    small_policy_dir,
+) -> None:
+    model, tokenizer = load_policy(small_policy_dir)
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    run = AsyncRLRun(model, tokenizer, get_environment("math"), _config(loss={"kl_coef": 0.5}))
+    reference = run.trainer.reference_model
+    assert reference is not None and reference is not model and not reference.training
+    shared = {id(p) for p in model.parameters()} & {id(p) for p in reference.parameters()}
+    assert not shared
+    run.run()
+    for name, p in reference.named_parameters():
+        assert torch.equal(p, start[name]), name
+    off = AsyncRLRun(model, tokenizer, get_environment("math"), _config())
+    assert off.trainer.reference_model is None

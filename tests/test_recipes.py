@@ -47,4 +47,4 @@ def test_recipe_is_a_nodes_default_train_settings(domain: str) -> None:
     assert config.train == DOMAIN_RECIPES[domain]
     assert config.train is not DOMAIN_RECIPES[domain]
     config.train.loss.kl_coef = 0.5  # a node's copy, not the recipe itself
-    assert DOMAIN_RECIPES[domain].loss.kl_coef == 0.0
+    assert DOMAIN_RECIPES[domain].loss.kl_coef == 0.1
