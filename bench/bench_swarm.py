@@ -152,8 +152,6 @@ def train_steps(
     if synchronous:
         update["max_staleness"] = 0
     recipe = recipe.model_copy(update=update)
-    if recipe.loss.kl_coef == 0:
-        reference = None
     run = AsyncRLRun(model, tokenizer, get_environment(domain), recipe, reference_model=reference)
     if optimizer is not None:
         for group in optimizer.param_groups:
@@ -579,26 +577,20 @@ def main() -> int:
         "experts' does, instead of starting fresh after the rebase (the node's "
         "keep_optimizer_state; default %(default)s)",
     )
-    parser.add_argument(
-        "--guidance",
-        type=parse_weights("--guidance"),
-        default={},
-        metavar="W|DOMAIN=W,…",
-        help="off-policy guidance weight (0: off) of every domain, or of the domains named; "
-        "the others keep their recipe's ("
-        + ", ".join(f"{d} {recipe_for(d).guidance:g}" for d in DOMAINS)
-        + ")",
-    )
-    parser.add_argument(
-        "--kl",
-        type=parse_weights("--kl"),
-        default={},
-        metavar="K|DOMAIN=K,…",
-        help="the KL term's weight to the round's base (0: off) of every domain, or of the "
-        "domains named; the others keep their recipe's ("
-        + ", ".join(f"{d} {recipe_for(d).loss.kl_coef:g}" for d in DOMAINS)
-        + ")",
-    )
+    for option, metavar, what, recipe_value in (
+        ("--guidance", "W", "off-policy guidance weight", lambda r: r.guidance),
+        ("--kl", "K", "the KL term's weight to the round's base", lambda r: r.loss.kl_coef),
+    ):
+        parser.add_argument(
+            option,
+            type=parse_weights(option),
+            default={},
+            metavar=f"{metavar}|DOMAIN={metavar},…",
+            help=f"{what} (0: off) of every domain, or of the domains named; the others keep "
+            "their recipe's ("
+            + ", ".join(f"{d} {recipe_value(recipe_for(d)):g}" for d in DOMAINS)
+            + ")",
+        )
     parser.add_argument(
         "--no-subsets",
         action="store_true",

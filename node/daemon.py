@@ -422,14 +422,13 @@ class NodeDaemon:
             self.status.update(step=step, reward=reward)
             self._heartbeat(number, step, reward)
 
-        # A KL term (train.loss.kl_coef > 0) keeps the policy near the round's base.
-        reference = load_policy(base_dir)[0].eval() if train.loss.kl_coef > 0 else None
+        # A KL term (train.loss.kl_coef > 0) is measured against the model as the run starts,
+        # the round's base (a checkpoint of this round is resumed inside run()).
         run = AsyncRLRun(
             model,
             tokenizer,
             env,
             train,
-            reference_model=reference,
             backend=self._inference_backend(base_dir, model, tokenizer),
             on_step=on_step,
             metrics_path=self.config.work_dir / "metrics" / f"round-{number}.jsonl",
