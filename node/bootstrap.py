@@ -16,7 +16,12 @@ from skillswarm.agent.model import (
     save_tokenizer,
     set_torch_threads,
 )
-from skillswarm.node.pretrain import COPY_TARGET_ACCURACY, copy_pretraining, corpus_words
+from skillswarm.node.pretrain import (
+    COPY_TARGET_ACCURACY,
+    WHOLE_WORD_SHARE,
+    copy_pretraining,
+    corpus_words,
+)
 from skillswarm.node.train import check_mix_weights, supervised_warm_start
 from transformers import PreTrainedTokenizerBase
 
@@ -98,13 +103,15 @@ def create_base_checkpoint(
     copy_steps: int = 0,
     on_copy_check: Callable[[int, float], None] | None = None,
     copy_target: float = COPY_TARGET_ACCURACY,
+    copy_whole_word_share: float = WHOLE_WORD_SHARE,
 ) -> Path:
     """Build the tokenizer and tiny model, warm-start them on the domains' solver demonstrations
     and save a Hugging Face folder at `out_dir`. `domain_weights` sets each domain's share of the
     demonstrations (a domain not named weighs 1; None: equal shares). With `copy_steps`, the model
     is first copy-pretrained (`node.pretrain`) for at most that many steps, on the words of the
-    tokenizer's corpus, stopping once it copies `copy_target` of a held-out batch's repeated
-    tokens right; `on_copy_check(step, accuracy)` sees its checks. The same seed and thread
+    tokenizer's corpus (`copy_whole_word_share` of them words the tokenizer keeps as one
+    token), stopping once it copies `copy_target` of a held-out batch's repeated tokens right in
+    each kind; `on_copy_check(step, accuracy)` sees its checks. The same seed and thread
     count give the same checkpoint."""
     weights = None
     if domain_weights is not None:  # checked before the minutes of tokenizer and warm start
@@ -132,6 +139,7 @@ def create_base_checkpoint(
             seed=seed,
             on_check=on_copy_check,
             target_accuracy=copy_target,
+            whole_word_share=copy_whole_word_share,
         )
     losses = supervised_warm_start(
         model,
@@ -157,6 +165,7 @@ def create_base_checkpoint(
         "warm_start_lr": warm_start_lr,
         "warm_start_final_loss": losses[-1] if losses else None,
         "copy_target": None if copied is None else copy_target,
+        "copy_whole_word_share": None if copied is None else copy_whole_word_share,
         "copy_pretraining_steps": 0 if copied is None else copied.steps,
         "copy_accuracy": None if copied is None else copied.accuracy,
         "built_with": _versions(),

@@ -298,8 +298,18 @@ def bootstrap(
         typer.Option(
             min=0.01,
             max=1.0,
-            help="share of a held-out batch's repeated tokens copied right at which copy "
-            "pretraining stops [default: the recommended target]",
+            help="share of a held-out batch's repeated tokens copied right (in the kind "
+            "copied worse: whole-word tokens or the rest) at which copy pretraining stops "
+            "[default: the recommended target]",
+        ),
+    ] = None,
+    copy_whole_words: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="share of the copied words that the tokenizer keeps as one token "
+            "[default: the recommended share]",
         ),
     ] = None,
     seed: int = 0,
@@ -342,7 +352,7 @@ def bootstrap(
         MULTI_DOMAIN_WARM_START_STEPS,
         create_base_checkpoint,
     )
-    from skillswarm.node.pretrain import COPY_TARGET_ACCURACY
+    from skillswarm.node.pretrain import COPY_TARGET_ACCURACY, WHOLE_WORD_SHARE
 
     chosen = [domain.strip() for domain in domains.split(",") if domain.strip()]
     if weights is None:
@@ -355,11 +365,14 @@ def bootstrap(
         copy_steps = MULTI_DOMAIN_COPY_STEPS
     if copy_target is None:
         copy_target = COPY_TARGET_ACCURACY
+    if copy_whole_words is None:
+        copy_whole_words = WHOLE_WORD_SHARE
     try:
         described = ", ".join(f"{d} ×{shares.get(d, 1.0):g}" for d in chosen)
         console.print(
             f"building the base on {described} (copy pretraining until {copy_target:.0%} "
-            f"of a held-out batch is copied right, at most {copy_steps} steps; then {steps} "
+            f"of a held-out batch's whole words and of the rest are copied right, at most "
+            f"{copy_steps} steps; then {steps} "
             "warm-start steps)…"
         )
         with Progress(
@@ -394,6 +407,7 @@ def bootstrap(
                 copy_steps=copy_steps,
                 on_copy_check=copy_checked,
                 copy_target=copy_target,
+                copy_whole_word_share=copy_whole_words,
             )
     except UnknownEnvironmentError as exc:
         _fail(exc)

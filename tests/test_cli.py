@@ -117,7 +117,7 @@ def test_bootstrap_shares_demonstrations_by_weight_and_refuses_bad_weights(tmp_p
     built = _cli(
         "bootstrap", str(out), "--steps", "2", "--domains", "math,code",
         "--weights", "math=2.5, code=1", "--eval-tasks", "0", "--threads", "1",
-        "--copy-steps", "3", "--copy-target", "0.5",
+        "--copy-steps", "3", "--copy-target", "0.5", "--copy-whole-words", "0.4",
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
     assert built.stdout.strip().endswith(str(out))
@@ -127,6 +127,7 @@ def test_bootstrap_shares_demonstrations_by_weight_and_refuses_bad_weights(tmp_p
     assert provenance["warm_start_steps"] == 2
     assert provenance["copy_pretraining_steps"] == 3
     assert provenance["copy_target"] == 0.5
+    assert provenance["copy_whole_word_share"] == 0.4
     assert "copy pretraining until 50%" in " ".join(built.stderr.split())
     assert provenance["built_with"]["torch"].startswith("2.")
     assert 0 <= provenance["copy_accuracy"] < 0.9  # three steps copy next to nothing
