@@ -44,6 +44,9 @@ def test_copy_words_split_by_encoding_and_draw_whole_words_at_their_share(tokeni
     assert words.whole and words.spelled
     for word in words.whole:
         assert len(tokenizer(word, add_special_tokens=False)["input_ids"]) == 1
+    assert words.whole_ids == tuple(
+        tokenizer(word, add_special_tokens=False)["input_ids"][0] for word in words.whole
+    )
     for word in words.spelled:
         assert len(tokenizer(word, add_special_tokens=False)["input_ids"]) > 1
     rng = random.Random(5)
