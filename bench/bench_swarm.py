@@ -3,8 +3,9 @@
 Every round, each domain's node trains k steps of its recipe from the swarm's current base (the
 node's trainer, its optimizer state carried from its last round as a daemon's is), packs its
 delta as a node does, and the coordinator's own functions merge the deltas (the own-domain gate,
-the default merge plan and its validation choice, the outer optimizer, subsets of a held merge),
-score the candidate and apply the publication rule. Beside it, with the same episodes per domain:
+the default merge plan and its validation choice, weights per domain among the candidates, the
+outer optimizer, subsets of a held merge), score the candidate and apply the publication rule.
+Beside it, with the same episodes per domain:
 
 - experts: each domain's model trained alone, k steps more every round (its optimizer kept);
 - mixed:   one model trained on all three domains, one step of each domain's recipe in turn
@@ -19,7 +20,7 @@ per domain per round for every arm) and `results.json` into --out.
 Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=90,code=16,search=10]
 [--eval-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm] [--outer-lr 1]
 [--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer] [--guidance math=0.25,…]
-[--kl math=0.1,…]`.
+[--kl math=0.1,…] [--domain-weights 0.5,1|none]`.
 Without --base it uses the embedded base shipped in the package (`skillswarm bootstrap` rebuilds
 one). `--help` prints the step budget of each arm. Exits 1 when, after the last round, the
 published model does not beat the base by --min-gain points with the paired interval above zero
@@ -69,6 +70,18 @@ DEFAULT_STEPS = {
     "search": recipe_for("search").steps,
 }
 ARMS = ("base", "swarm", "experts", "mixed")
+
+
+def parse_domain_weights(text: str) -> list[float]:
+    """`0.5,1` → [0.5, 1.0]; `none` → [] (no weights per domain)."""
+    if text.strip().lower() == "none":
+        return []
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--domain-weights takes W,W,… or none; got {text!r}"
+        ) from None
 
 
 def parse_steps(text: str) -> dict[str, int]:
@@ -199,6 +212,7 @@ class Bench:
                 own_domain_gate=not args.no_gate,
                 own_domain_gate_alpha=args.gate_alpha,
                 subsets_on_hold=not args.no_subsets,
+                domain_weights=args.domain_weights,
             ),
         )
         self.evaluator = Evaluator(self.config.eval)
@@ -591,6 +605,15 @@ def main() -> int:
             + ", ".join(f"{d} {recipe_value(recipe_for(d)):g}" for d in DOMAINS)
             + ")",
         )
+    parser.add_argument(
+        "--domain-weights",
+        type=parse_domain_weights,
+        default=MergePlan().domain_weights,
+        metavar="W,W,…|none",
+        help="task arithmetic with a weight per domain tried beside the plain λ candidates, "
+        "each of these weights for each domain ('none': off; the coordinator's domain_weights; "
+        "default %(default)s)",
+    )
     parser.add_argument(
         "--no-subsets",
         action="store_true",

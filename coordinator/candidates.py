@@ -103,7 +103,10 @@ def merge_candidates(
         errors = "; ".join(f"{r['spec']['method']}: {r['error']}" for r in records)
         raise MergeError(f"every merge candidate failed: {errors}")
     records[best[0]]["chosen"] = True
-    log.info("merge candidates scored %s", [(r["spec"]["method"], r["score"]) for r in records])
+    log.info(
+        "merge candidates scored %s",
+        [(r["spec"]["method"], r["spec"]["parameters"], r["score"]) for r in records],
+    )
     return Candidates(specs[best[0]], best[1], records, best[3])
 
 
@@ -142,16 +145,21 @@ def merge_and_decide(
     decide: Callable[[Mapping[str, Mapping[str, Any]]], Decision],
     task_vector: Callable[[ExpertInput], TaskVector],
 ) -> Verdict:
-    """Merge `merging` by the plan's specs, take the outer step and put the candidate's
-    validation scores to `decide` (the publication rule). When it holds and the plan says
-    `subsets_on_hold`, merge again without each delta in turn (the chosen spec), score each
-    subset on the validation tasks and put it to the same rule: the best-scoring subset that
-    passes is the verdict; if none passes, the same from the best-scoring subset, until one
-    delta is left. With no subset passing, the verdict is the full merge's hold."""
+    """Merge `merging` by the plan's specs and its per-domain weights, take the outer step and
+    put the candidate's validation scores to `decide` (the publication rule). When it holds and
+    the plan says `subsets_on_hold`, merge again without each delta in turn (the chosen spec),
+    score each subset on the validation tasks and put it to the same rule: the best-scoring
+    subset that passes is the verdict; if none passes, the same from the best-scoring subset,
+    until one delta is left. With no subset passing, the verdict is the full merge's hold."""
     experts = list(merging)
-    merged = merge_candidates(
-        plan.specs(), base_dir, [task_vector(e) for e in experts], work, evaluator
-    )
+    vectors = [task_vector(e) for e in experts]
+    specs = [
+        *plan.specs(),
+        *plan.domain_weight_specs(
+            {v.name: e.domain for v, e in zip(vectors, experts, strict=True)}
+        ),
+    ]
+    merged = merge_candidates(specs, base_dir, vectors, work, evaluator)
     candidate_dir = outer.step(base_id, base_dir, merged.folder, work / "stepped", number)
     decision = decide(candidate_validation(merged, candidate_dir, evaluator))
     held = Verdict(experts, merged, candidate_dir, decision, [])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -156,6 +158,10 @@ class PublishPolicy(BaseModel):
     )
 
 
+MAX_DOMAIN_WEIGHT = 2.0
+MAX_WEIGHTED_DOMAINS = 5
+
+
 def _default_candidates() -> list[MergeSpec]:
     return [MergeSpec(method="task_arithmetic", parameters={"weight": 0.5})]
 
@@ -167,11 +173,12 @@ class MergePlan(MergeSpec):
     reward over eval.domains on eval.validation_seed is published, ties going to the earlier.
     The default sums the round's task vectors (task arithmetic, λ = 1: each node's delta at its
     full size, as if the nodes' steps had been taken one after another) and tries λ = 0.5 beside
-    it; what each method measured: docs/merging.md. Before any of it, the own-domain gate leaves
-    out the deltas that lower their own domain's score on the validation tasks beyond noise: RL
-    that lowers its own skill has nothing to give the merge, and merging it lowers that skill in
-    the swarm; a delta within noise of the base is kept, for a short round's delta is most often
-    within noise of it either way.
+    it (with `domain_weights`, task arithmetic with a weight per domain too); what each method
+    measured: docs/merging.md. Before any of it, the own-domain
+    gate leaves out the deltas that lower their own domain's score on the validation tasks
+    beyond noise: RL that lowers its own skill has nothing to give the merge, and merging it
+    lowers that skill in the swarm; a delta within noise of the base is kept, for a short
+    round's delta is most often within noise of it either way.
     After it, a merge the publication rule holds is tried again without each delta in turn: one
     domain's delta often lowers another domain, and the others' gains need not wait a round.
     """
@@ -191,6 +198,16 @@ class MergePlan(MergeSpec):
         "the one-sided paired test on its own domain's per-task validation rewards at this "
         "level; 0: any shortfall in mean reward leaves it out",
     )
+    domain_weights: list[float] = Field(
+        default_factory=list,
+        max_length=4,
+        description="e.g. [0.5, 1.0]: task arithmetic with a weight per domain joins the "
+        "candidates, every assignment of these values to the round's domains that does not "
+        "give them all the same (that is the plain λ candidate), a domain's deltas sharing its "
+        "weight; the validation tasks may then keep one domain's delta whole while halving "
+        "another's that costs other domains. [] (the default) or one value: off. With d "
+        "domains, len^d − len candidates more (d ≤ 5)",
+    )
     subsets_on_hold: bool = Field(
         default=True,
         description="when the publication rule holds the merge of a round's deltas, merge "
@@ -202,14 +219,44 @@ class MergePlan(MergeSpec):
     @model_validator(mode="before")
     @classmethod
     def _own_method_has_no_default_candidates(cls, data: Any) -> Any:
-        """A plan that names its own method or parameters tries only the candidates it lists."""
-        if (
-            isinstance(data, dict)
-            and "candidates" not in data
-            and ("method" in data or "parameters" in data)
-        ):
-            return {**data, "candidates": []}
+        """A plan that names its own method or parameters tries only the candidates it lists,
+        and weights no domain apart unless it sets domain_weights."""
+        if isinstance(data, dict) and ("method" in data or "parameters" in data):
+            return {"candidates": [], "domain_weights": [], **data}
         return data
+
+    @field_validator("domain_weights")
+    @classmethod
+    def _distinct_positive_weights(cls, value: list[float]) -> list[float]:
+        if any(not 0 < w <= MAX_DOMAIN_WEIGHT for w in value):
+            raise ValueError(f"domain_weights must lie in (0, {MAX_DOMAIN_WEIGHT}]; got {value}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"domain_weights repeats a value: {value}")
+        return value
+
+    def domain_weight_specs(self, domain_of: Mapping[str, str]) -> list[MergeSpec]:
+        """Task arithmetic with a weight per domain, one spec per assignment of
+        `domain_weights` to the domains of `domain_of` (expert name → its domain) that does not
+        weight them all alike; none with fewer than two domains or weights, or more than
+        MAX_WEIGHTED_DOMAINS domains. Dtypes and seed are this spec's."""
+        domains = sorted(set(domain_of.values()))
+        if len(self.domain_weights) < 2 or not 2 <= len(domains) <= MAX_WEIGHTED_DOMAINS:
+            return []
+        specs = []
+        for weights in itertools.product(self.domain_weights, repeat=len(domains)):
+            if len(set(weights)) == 1:
+                continue
+            by_domain = dict(zip(domains, weights, strict=True))
+            specs.append(
+                MergeSpec(
+                    method="task_arithmetic",
+                    parameters={"weight": {n: by_domain[d] for n, d in domain_of.items()}},
+                    dtype=self.dtype,
+                    out_dtype=self.out_dtype,
+                    seed=self.seed,
+                )
+            )
+        return specs
 
     def specs(self) -> list[MergeSpec]:
         """This spec and the candidates, without repeats, in order."""

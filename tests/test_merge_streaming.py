@@ -128,3 +128,22 @@ def test_stream_writer_refuses_out_of_order_tensor(tmp_path):
     loaded = load_file(tmp_path / "w.safetensors")
     assert torch.equal(loaded["a"], torch.ones(2))
     assert torch.equal(loaded["b"], torch.arange(3, dtype=torch.bfloat16))
+
+
+def test_a_domain_weighted_candidate_weights_each_delta_by_its_domain(merge_inputs, tmp_path):
+    from skillswarm.coordinator.config import MergePlan
+
+    base_dir, _, deltas = merge_inputs
+    vectors = [
+        TaskVector(name=f"e{i}", expert=lambda n, b, d=d: b + d[n]) for i, d in enumerate(deltas)
+    ]
+    specs = MergePlan(domain_weights=[0.5, 1.0]).domain_weight_specs({"e0": "math", "e1": "code"})
+    assert [s.parameters for s in specs] == [
+        {"weight": {"e0": 1.0, "e1": 0.5}},  # code (sorted first) 0.5, math 1
+        {"weight": {"e0": 0.5, "e1": 1.0}},
+    ]
+    out = merge_checkpoint(base_dir, vectors, tmp_path / "weighted", specs[0])
+    merged = load_file(out / "model.safetensors")
+    for name, tensor in iter_base_tensors(base_dir):
+        expected = tensor + 1.0 * deltas[0][name] + 0.5 * deltas[1][name]
+        torch.testing.assert_close(merged[name], expected, rtol=0, atol=1e-6)

@@ -163,6 +163,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
     assert response.status_code == 200, response.text
     plan = spec | {
         "candidates": [],
+        "domain_weights": [],  # a spec the operator sets merges as it says
         "own_domain_gate": True,
         "own_domain_gate_alpha": 0.05,
         "subsets_on_hold": True,
@@ -192,6 +193,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
         "out_dtype": None,
         "seed": 11,
         "candidates": [],
+        "domain_weights": [],
         "own_domain_gate": True,
         "own_domain_gate_alpha": 0.05,
         "subsets_on_hold": True,

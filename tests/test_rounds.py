@@ -177,6 +177,53 @@ def test_evaluation_table_and_merge_candidates(tmp_path, tiny_base):
         c.store.close()
 
 
+def test_domain_weights_make_one_candidate_per_uneven_assignment() -> None:
+    assert MergePlan().domain_weights == []  # off by default
+    plan = MergePlan(domain_weights=[0.5, 1.0])
+    three = plan.domain_weight_specs({"a": "math", "b": "math", "c": "code", "d": "search"})
+    weights = [s.parameters["weight"] for s in three]
+    assert len(weights) == 2**3 - 2  # every assignment but all 0.5 and all 1 (the plain λs)
+    assert len({tuple(sorted(w.items())) for w in weights}) == len(weights)
+    for w in weights:
+        assert w["a"] == w["b"]  # a domain's deltas share its weight
+        assert len({w["a"], w["c"], w["d"]}) == 2
+    assert all(s.method == "task_arithmetic" and s.seed == plan.seed for s in three)
+    assert plan.domain_weight_specs({"a": "math", "b": "math"}) == []  # one domain
+    assert MergePlan(domain_weights=[1.0]).domain_weight_specs({"a": "math", "c": "code"}) == []
+    # A plan that names its own method weights no domain apart, unless it says so.
+    assert MergePlan(method="ties", parameters={"weight": 1.0, "density": 0.5}).domain_weights == []
+    assert MergePlan(method="linear", domain_weights=[0.25, 1.0]).domain_weights == [0.25, 1.0]
+    for bad in ([0.0, 1.0], [1.0, 1.0], [0.5, 3.0]):
+        with pytest.raises(ValueError, match="domain_weights"):
+            MergePlan(domain_weights=bad)
+
+
+def test_a_round_of_two_domains_also_tries_each_domain_weighted_apart(tmp_path, tiny_base):
+    eval_config = EvalConfig(domains=["math", "code"], n_tasks=1, seed=0, validation_seed=5)
+    plan = MergePlan(domain_weights=[0.5, 1.0])
+    round_policy = RoundPolicy(min_deltas=2)
+    c = Coordinator(_config(tmp_path, tiny_base, eval=eval_config, round=round_policy, merge=plan))
+    c.prepare()
+    try:
+        math_key, code_key = _keys(tmp_path, "math", "code")
+        math_delta = _hand_in(c, math_key, seed=1, domain="math")
+        code_delta = _hand_in(c, code_key, seed=2, domain="code")
+        record = c.round_record(1)
+        assert record["status"] == "published", record.get("decision")
+        specs = [c_["spec"] for c_ in record["candidates"]]
+        plain = [s.model_dump() for s in plan.specs()]
+        assert specs[: len(plain)] == plain
+        names = (math_delta.id[:16], code_delta.id[:16])
+        assert [s["parameters"]["weight"] for s in specs[len(plain) :]] == [
+            {names[0]: 1.0, names[1]: 0.5},
+            {names[0]: 0.5, names[1]: 1.0},
+        ]
+        (chosen,) = [c_ for c_ in record["candidates"] if c_["chosen"]]
+        assert chosen["score"] == max(c_["score"] for c_ in record["candidates"])
+    finally:
+        c.store.close()
+
+
 def test_restart_keeps_accepted_deltas_and_merges_a_round_whose_policy_is_met(tmp_path, tiny_base):
     first = Coordinator(_config(tmp_path, tiny_base, round=RoundPolicy(min_deltas=3)))
     first.prepare()
