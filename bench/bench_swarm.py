@@ -424,7 +424,7 @@ class Bench:
     def print_round(self, number: int) -> None:
         print(f"\nafter round {number}: greedy held-out success (95% Wilson interval)")
         print(f"{'arm':<8}" + "".join(f"{d:>22}" for d in DOMAINS))
-        for name in ARMS:
+        for name in self.arms_run():
             rows = self.arms[name].rounds.get(number) or self.arms[name].rounds.get(0)
             cells = [
                 f"{100 * rows[d]['success_rate']:5.1f} "
@@ -434,13 +434,24 @@ class Bench:
             print(f"{name:<8}" + "".join(f"{c:>22}" for c in cells))
         print(flush=True)
 
+    def arms_run(self) -> tuple[str, ...]:
+        """The arms this run trains and scores, with the base: --swarm-only leaves out the
+        experts and mixed RL, whose rows would be the base's."""
+        return ("base", "swarm") if self.args.swarm_only else ARMS
+
     def summary(self) -> int:
         base = self.arms["base"].rounds[0]
         final = {name: self.arms[name].last() for name in ARMS}
-        print("paired differences on the same tasks after the last round (points, 95% bootstrap)")
+        print("paired differences on the same tasks after the last round (points, 95% interval)")
         ok = True
         lines: dict[str, Any] = {}
         for d in DOMAINS:
+            if self.args.swarm_only:
+                sb = paired_difference(base[d]["successes"], final["swarm"][d]["successes"])
+                lines[d] = {"swarm-base": sb.to_dict()}
+                print(f"{d:<8} swarm−base {_points(lines[d]['swarm-base'])}")
+                ok = ok and 100 * sb.mean >= self.args.min_gain and sb.low > 0
+                continue
             cells = {}
             for name in ("swarm", "experts", "mixed"):
                 diff = paired_difference(base[d]["successes"], final[name][d]["successes"])
@@ -521,6 +532,8 @@ def plot(arms: dict[str, Arm], path: Path) -> None:
         )
         for name in ARMS[1:]:
             rounds = sorted(arms[name].rounds)
+            if rounds == [0]:
+                continue  # not trained in this run (--swarm-only)
             rows = [arms[name].rounds[r][domain] for r in rounds]
             rate = [100 * row["success_rate"] for row in rows]
             axis.plot(rounds, rate, marker="o", label=name)
