@@ -77,11 +77,13 @@ def parse_domain_weights(text: str) -> list[float]:
     if text.strip().lower() == "none":
         return []
     try:
-        return [float(part) for part in text.split(",")]
-    except ValueError:
+        weights = [float(part) for part in text.split(",")]
+        MergePlan(domain_weights=weights)  # the coordinator's own bounds
+    except ValueError as error:  # pydantic's ValidationError is one
         raise argparse.ArgumentTypeError(
-            f"--domain-weights takes W,W,… or none; got {text!r}"
+            f"--domain-weights takes W,W,… or none; got {text!r}: {error}"
         ) from None
+    return weights
 
 
 def parse_steps(text: str) -> dict[str, int]:
@@ -446,34 +448,33 @@ class Bench:
         ok = True
         lines: dict[str, Any] = {}
         for d in DOMAINS:
-            if self.args.swarm_only:
-                sb = paired_difference(base[d]["successes"], final["swarm"][d]["successes"])
-                lines[d] = {"swarm-base": sb.to_dict()}
-                print(f"{d:<8} swarm−base {_points(lines[d]['swarm-base'])}")
-                ok = ok and 100 * sb.mean >= self.args.min_gain and sb.low > 0
-                continue
-            cells = {}
-            for name in ("swarm", "experts", "mixed"):
-                diff = paired_difference(base[d]["successes"], final[name][d]["successes"])
-                cells[f"{name}-base"] = diff.to_dict()
-            diff = paired_difference(final["mixed"][d]["successes"], final["swarm"][d]["successes"])
-            cells["swarm-mixed"] = diff.to_dict()
-            gain_swarm = cells["swarm-base"]["mean"]
-            gain_expert = cells["experts-base"]["mean"]
-            retention = gain_swarm / gain_expert if gain_expert > 0 else None
-            cells["retention"] = retention
+            cells: dict[str, Any] = {
+                f"{name}-base": paired_difference(
+                    base[d]["successes"], final[name][d]["successes"]
+                ).to_dict()
+                for name in self.arms_run()[1:]
+            }
+            sb = cells["swarm-base"]
+            line = f"{d:<8} swarm−base {_points(sb)}"
+            if not self.args.swarm_only:
+                cells["swarm-mixed"] = paired_difference(
+                    final["mixed"][d]["successes"], final["swarm"][d]["successes"]
+                ).to_dict()
+                gain_expert = cells["experts-base"]["mean"]
+                retention = sb["mean"] / gain_expert if gain_expert > 0 else None
+                cells["retention"] = retention
+                line += (
+                    f"  expert−base {_points(cells['experts-base'])}  "
+                    f"mixed−base {_points(cells['mixed-base'])}  "
+                    f"swarm−mixed {_points(cells['swarm-mixed'])}  retention "
+                    + (
+                        f"{100 * retention:.0f}%"
+                        if retention is not None
+                        else "n/a (no expert gain)"
+                    )
+                )
             lines[d] = cells
-            sb, eb, mb, sm = (
-                cells["swarm-base"],
-                cells["experts-base"],
-                cells["mixed-base"],
-                cells["swarm-mixed"],
-            )
-            print(
-                f"{d:<8} swarm−base {_points(sb)}  expert−base {_points(eb)}  "
-                f"mixed−base {_points(mb)}  swarm−mixed {_points(sm)}  retention "
-                + (f"{100 * retention:.0f}%" if retention is not None else "n/a (no expert gain)")
-            )
+            print(line)
             if not (100 * sb["mean"] >= self.args.min_gain and sb["low"] > 0):
                 ok = False
         self.write_results(lines)

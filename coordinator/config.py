@@ -174,11 +174,11 @@ class MergePlan(MergeSpec):
     The default sums the round's task vectors (task arithmetic, λ = 1: each node's delta at its
     full size, as if the nodes' steps had been taken one after another) and tries λ = 0.5 beside
     it (with `domain_weights`, task arithmetic with a weight per domain too); what each method
-    measured: docs/merging.md. Before any of it, the own-domain
-    gate leaves out the deltas that lower their own domain's score on the validation tasks
-    beyond noise: RL that lowers its own skill has nothing to give the merge, and merging it
-    lowers that skill in the swarm; a delta within noise of the base is kept, for a short
-    round's delta is most often within noise of it either way.
+    measured: docs/merging.md. Before any of it, the own-domain gate leaves out the deltas that
+    lower their own domain's score on the validation tasks beyond noise: RL that lowers its own
+    skill has nothing to give the merge, and merging it lowers that skill in the swarm; a delta
+    within noise of the base is kept, for a short round's delta is most often within noise of it
+    either way.
     After it, a merge the publication rule holds is tried again without each delta in turn: one
     domain's delta often lowers another domain, and the others' gains need not wait a round.
     """
