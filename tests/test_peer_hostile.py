@@ -6,6 +6,8 @@ nothing is stored or merged; the intake thread lives on and an honest delta is a
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -172,11 +174,40 @@ def _resident_mib() -> float:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
+# The flooding peer runs in a process of its own, so the resident size the test samples is the
+# coordinator's alone (libp2p keeps a sender's recent messages for a while too).
+FLOODER = """
+import sys
+from pathlib import Path
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.host import SwarmHost
+from skillswarm.protocol.identity import load_or_create_identity
+work, topic, address, count = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+payload = (work / "payload").read_bytes()
+key = load_or_create_identity(work / "flood.key")
+host = SwarmHost(key, BlobStore(work / "blobs"), topic=topic)
+host.start()
+try:
+    host.connect(address)
+    host.wait_for_peers_in_topic(1, timeout=30)
+    print("connected", flush=True)
+    for _ in range(count):
+        host.publish(payload)
+    print("sent", flush=True)
+    sys.stdin.read()  # connected until the test closes stdin
+finally:
+    host.stop()
+"""
+
+
 def test_a_gossip_flood_is_bounded_in_memory(tmp_path: Path, coordinator: Coordinator) -> None:
-    """Both hosts live in this process, so its resident size bounds the coordinator's."""
+    """A peer in another process offers ~400 MiB of malformed gossip in a few seconds; the
+    coordinator (this process) holds only a bounded part of it in memory."""
     c = coordinator
-    _, _, mallory = _peer(tmp_path, "flood", c)
-    payload = MALFORMED_GOSSIP["deep nesting"] + b"\x00" * (200 << 10)  # ~200 KiB each
+    work = tmp_path / "flood"
+    work.mkdir()
+    (work / "payload").write_bytes(MALFORMED_GOSSIP["deep nesting"] + b"\x00" * (200 << 10))
+    flooder_id = peer_id_of(load_or_create_identity(work / "flood.key"))
     start = _resident_mib()
     peak = [start]
     sampling = threading.Event()
@@ -187,19 +218,27 @@ def test_a_gossip_flood_is_bounded_in_memory(tmp_path: Path, coordinator: Coordi
 
     sampler = threading.Thread(target=sample, name="rss-sampler")
     sampler.start()
+    flooder = subprocess.Popen(
+        [sys.executable, "-c", FLOODER, str(work), c.config.topic, c.host.listen_addrs[0], "2000"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        for _ in range(2_000):  # ~400 MiB offered in a few seconds
-            mallory.publish(payload)
+        assert flooder.stdout is not None
+        assert flooder.stdout.readline().strip() == "connected"
+        assert flooder.stdout.readline().strip() == "sent"
         _wait(
-            lambda: (row := _refusals(c, mallory.peer_id).get("malformed")) and row.count >= 50,
+            lambda: (row := _refusals(c, flooder_id).get("malformed")) and row.count >= 50,
             "the flood to reach intake",
         )
         time.sleep(2)
-        refused = _refusals(c, mallory.peer_id)["malformed"]
+        refused = _refusals(c, flooder_id)["malformed"]
     finally:
         sampling.set()
         sampler.join()
-        mallory.stop()
+        flooder.communicate(timeout=60)
+    assert flooder.returncode == 0
     growth = peak[0] - start
     print(f"flood: {refused.count} messages refused, peak resident growth {growth:.0f} MiB")
     assert growth < 256  # gossip waiting to be read is bounded at 64 MiB
