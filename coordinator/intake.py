@@ -202,10 +202,11 @@ class Intake:
                 }
                 checks = self._fetch_and_validate(from_peer, manifest)
             except REFUSALS as exc:
-                record = self._record_rejection(delta_id, from_peer, manifest, exc)
-                if record.rejection_kind != "fetch":
+                # What was fetched goes before the verdict is stored: whoever reads the verdict
+                # finds nothing of the delta kept.
+                if _rejection_kind(exc) != "fetch":
                     self._discard_blobs(fresh)
-                return record
+                return self._record_rejection(delta_id, from_peer, manifest, exc)
             record = DeltaRecord(
                 id=delta_id,
                 peer_id=manifest.peer_id,
@@ -223,9 +224,8 @@ class Intake:
                 closed = DeltaRejected(
                     f"round {manifest.round} closed while the delta was being checked", "stale"
                 )
-                rejected = self._record_rejection(delta_id, from_peer, manifest, closed)
                 self._discard_blobs(fresh)
-                return rejected
+                return self._record_rejection(delta_id, from_peer, manifest, closed)
             self._saw_peer(from_peer, manifest.domain)
             log.info(
                 "accepted delta %s from %s (%s, round %d)",
