@@ -237,7 +237,10 @@ def test_a_gossip_flood_is_bounded_in_memory(tmp_path: Path, coordinator: Coordi
     finally:
         sampling.set()
         sampler.join()
-        flooder.communicate(timeout=60)
+        try:
+            flooder.communicate(timeout=60)
+        finally:
+            flooder.kill()  # a no-op once it has exited; a hung flooder does not outlive the test
     assert flooder.returncode == 0
     growth = peak[0] - start
     print(f"flood: {refused.count} messages refused, peak resident growth {growth:.0f} MiB")
