@@ -8,7 +8,8 @@ another domain beyond noise is one the merge has to trade against. Writes `cross
 into --out.
 
 Run: `python bench/bench_cross_domain.py [--domain math] [--kl 0,0.1] [--guidance 0.25]
-[--seeds 1000,2000] [--steps 90] [--eval-tasks 128] [--base DIR] [--out runs/bench-cross-domain]`.
+[--anchor 0,0.1] [--seeds 1000,2000] [--steps 90] [--eval-tasks 128] [--base DIR]
+[--out runs/bench-cross-domain]`.
 About 1.5 minutes per run for math on 2 cores (90 steps and the scoring).
 """
 
@@ -52,6 +53,11 @@ def main() -> int:
     parser.add_argument("--domain", choices=DOMAINS, default="math", help="the node's domain")
     parser.add_argument("--kl", type=floats, help="KL weights to the base to try (the recipe's)")
     parser.add_argument("--guidance", type=floats, help="guidance weights to try (the recipe's)")
+    parser.add_argument(
+        "--anchor",
+        type=floats,
+        help="weights of the KL anchor on the other domains' episodes to try (the recipe's)",
+    )
     parser.add_argument("--seeds", type=ints, default=[1000], help="training seeds")
     parser.add_argument("--steps", type=int, help="steps (the swarm bench's a round)")
     parser.add_argument("--eval-tasks", type=int, default=128)
@@ -67,6 +73,7 @@ def main() -> int:
     steps = args.steps or DEFAULT_STEPS[args.domain]
     kls = args.kl if args.kl is not None else [recipe.loss.kl_coef]
     guidances = args.guidance if args.guidance is not None else [recipe.guidance]
+    anchors = args.anchor if args.anchor is not None else [recipe.anchor.coef]
     set_torch_threads(1)
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -75,53 +82,64 @@ def main() -> int:
         f"{args.domain} node, {steps} steps from {args.base}; greedy held-out success on "
         f"{args.eval_tasks} tasks per domain, paired difference with the base (95% bootstrap)"
     )
-    print(f"{'kl':>5} {'guid':>5} {'seed':>5}" + "".join(f"{d:>26}" for d in DOMAINS))
+    print(f"{'kl':>5} {'guid':>5} {'anch':>5} {'seed':>5}" + "".join(f"{d:>26}" for d in DOMAINS))
     print(
-        f"{'base':>17}" + "".join(f"{100 * base[d]['success_rate']:>26.1f}" for d in DOMAINS),
+        f"{'base':>23}" + "".join(f"{100 * base[d]['success_rate']:>26.1f}" for d in DOMAINS),
         flush=True,
     )
     runs: list[dict[str, Any]] = []
-    for kl in kls:
-        for guidance in guidances:
-            for seed in args.seeds:
-                model, tokenizer = load_policy(args.base)
-                train_steps(
-                    model, tokenizer, args.domain, steps, seed, guidance=guidance, kl_coef=kl
-                )
-                rows = score((model, tokenizer), args.eval_tasks, args.eval_seed)
-                differences = {
-                    d: paired_difference(base[d]["successes"], rows[d]["successes"]).to_dict()
-                    for d in DOMAINS
+    settings = [(kl, g, a) for kl in kls for g in guidances for a in anchors]
+    for kl, guidance, anchor in settings:
+        for seed in args.seeds:
+            model, tokenizer = load_policy(args.base)
+            train_steps(
+                model,
+                tokenizer,
+                args.domain,
+                steps,
+                seed,
+                guidance=guidance,
+                kl_coef=kl,
+                anchor=anchor,
+            )
+            rows = score((model, tokenizer), args.eval_tasks, args.eval_seed)
+            differences = {
+                d: paired_difference(base[d]["successes"], rows[d]["successes"]).to_dict()
+                for d in DOMAINS
+            }
+            cells = [
+                f"{100 * rows[d]['success_rate']:5.1f} {100 * differences[d]['mean']:+5.1f} "
+                f"[{100 * differences[d]['low']:+5.1f},{100 * differences[d]['high']:+5.1f}]"
+                for d in DOMAINS
+            ]
+            print(
+                f"{kl:>5g} {guidance:>5g} {anchor:>5g} {seed:>5}"
+                + "".join(f"{c:>26}" for c in cells)
+            )
+            sys.stdout.flush()
+            runs.append(
+                {
+                    "kl": kl,
+                    "guidance": guidance,
+                    "anchor": anchor,
+                    "seed": seed,
+                    "success": {d: rows[d]["success_rate"] for d in DOMAINS},
+                    "difference": differences,
                 }
-                cells = [
-                    f"{100 * rows[d]['success_rate']:5.1f} {100 * differences[d]['mean']:+5.1f} "
-                    f"[{100 * differences[d]['low']:+5.1f},{100 * differences[d]['high']:+5.1f}]"
-                    for d in DOMAINS
-                ]
-                print(f"{kl:>5g} {guidance:>5g} {seed:>5}" + "".join(f"{c:>26}" for c in cells))
-                sys.stdout.flush()
-                runs.append(
+            )
+            (args.out / "cross_domain.json").write_text(
+                json.dumps(
                     {
-                        "kl": kl,
-                        "guidance": guidance,
-                        "seed": seed,
-                        "success": {d: rows[d]["success_rate"] for d in DOMAINS},
-                        "difference": differences,
-                    }
+                        "domain": args.domain,
+                        "steps": steps,
+                        "eval_tasks": args.eval_tasks,
+                        "eval_seed": args.eval_seed,
+                        "base": {d: base[d]["success_rate"] for d in DOMAINS},
+                        "runs": runs,
+                    },
+                    indent=1,
                 )
-                (args.out / "cross_domain.json").write_text(
-                    json.dumps(
-                        {
-                            "domain": args.domain,
-                            "steps": steps,
-                            "eval_tasks": args.eval_tasks,
-                            "eval_seed": args.eval_seed,
-                            "base": {d: base[d]["success_rate"] for d in DOMAINS},
-                            "runs": runs,
-                        },
-                        indent=1,
-                    )
-                )
+            )
     print(f"{(time.perf_counter() - started) / 60:.1f} minutes")
     return 0
 

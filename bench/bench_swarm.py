@@ -20,7 +20,7 @@ per domain per round for every arm) and `results.json` into --out.
 Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=90,code=16,search=10]
 [--eval-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm] [--outer-lr 1]
 [--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer] [--guidance math=0.25,…]
-[--kl math=0.1,…] [--domain-weights 0.5,1|none]`.
+[--kl math=0.1,…] [--anchor math=1,…] [--domain-weights 0.5,1|none]`.
 Without --base it uses the embedded base shipped in the package (`skillswarm bootstrap` rebuilds
 one). `--help` prints the step budget of each arm. Exits 1 when, after the last round, the
 published model does not beat the base by --min-gain points with the paired interval above zero
@@ -149,21 +149,28 @@ def train_steps(
     round_number: int = 0,
     guidance: float | None = None,
     kl_coef: float | None = None,
+    anchor: float | None = None,
     reference: Any = None,
 ) -> tuple[list[dict[str, float]], torch.optim.Optimizer]:
     """`steps` RL steps of `domain`'s recipe on `model` (in place). With `optimizer`, training
     goes on with it (its momentum kept) at this recipe's learning rate; with `carried`, a fresh
     optimizer starts from the state an earlier round saved there when there is one, and its state
     is saved there at the end for round `round_number`, as a node's with keep_optimizer_state.
-    `guidance` and `kl_coef`, when given, replace the recipe's. With a KL term, `reference` is
-    the model it is measured against (default: a frozen copy of `model` as it starts, the
-    round's base as a node keeps it). Returns the history and the optimizer."""
+    `guidance` and `kl_coef`, when given, replace the recipe's; so does `anchor`, the weight of
+    a KL anchor on the other domains' episodes (`node.anchor`, the other two of DOMAINS). With
+    a KL term, `reference` is the model it is measured against (default: a frozen copy of
+    `model` as it starts, the round's base as a node keeps it). Returns the history and the
+    optimizer."""
     recipe = recipe_for(domain)
     update: dict[str, Any] = {"steps": steps, "seed": seed}
     if guidance is not None:
         update["guidance"] = guidance
     if kl_coef is not None:
         update["loss"] = recipe.loss.model_copy(update={"kl_coef": kl_coef})
+    if anchor is not None:
+        update["anchor"] = recipe.anchor.model_copy(
+            update={"coef": anchor, "domains": [d for d in DOMAINS if d != domain]}
+        )
     if synchronous:
         update["max_staleness"] = 0
     recipe = recipe.model_copy(update=update)
@@ -275,6 +282,7 @@ class Bench:
                     expert_optimizers[domain],
                     guidance=args.guidance.get(domain),
                     kl_coef=args.kl.get(domain),
+                    anchor=args.anchor.get(domain),
                 )
             self.arms["experts"].rounds[number] = {
                 d: self.score(experts[d], (d,))[d] for d in DOMAINS
@@ -331,6 +339,7 @@ class Bench:
                 ),
                 guidance=self.args.guidance.get(domain),
                 kl_coef=self.args.kl.get(domain),
+                anchor=self.args.anchor.get(domain),
                 round_number=number,
             )
             state = model.state_dict()
@@ -499,6 +508,7 @@ class Bench:
                 "recipes": {d: recipe_for(d).model_dump() for d in DOMAINS},
                 "guidance": self.args.guidance,
                 "kl": self.args.kl,
+                "anchor": self.args.anchor,
             },
             "arms": {
                 name: {str(r): compact(rows) for r, rows in arm.rounds.items()}
@@ -608,6 +618,13 @@ def main() -> int:
     for option, metavar, what, recipe_value in (
         ("--guidance", "W", "off-policy guidance weight", lambda r: r.guidance),
         ("--kl", "K", "the KL term's weight to the round's base", lambda r: r.loss.kl_coef),
+        (
+            "--anchor",
+            "A",
+            "the weight of a KL anchor to the round's base on the other domains' episodes "
+            "(node.anchor; the mixed model, which trains on all of them, has none)",
+            lambda r: r.anchor.coef,
+        ),
     ):
         parser.add_argument(
             option,

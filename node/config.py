@@ -144,6 +144,15 @@ class NodeConfig(BaseModel):
             return data
         return {**data, "train": _layered(recipe.model_dump(), chosen)}
 
+    @model_validator(mode="after")
+    def _anchor_on_other_domains(self) -> NodeConfig:
+        if self.domain in self.train.anchor.domains:
+            raise ValueError(
+                f"train.anchor.domains holds the node's own domain {self.domain!r}: the anchor "
+                "is for the other domains' episodes (the KL term of train.loss covers its own)"
+            )
+        return self
+
     @property
     def identity_path(self) -> Path:
         return self.identity_file or self.work_dir / "identity.key"

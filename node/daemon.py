@@ -227,25 +227,43 @@ class NodeDaemon:
 
     def _check_sandbox(self) -> None:
         """A domain that runs model-written code needs the kernel sandbox (bubblewrap) unless the
-        config accepts the weaker one; either way /healthz reports the sandbox in force."""
+        config accepts the weaker one; either way /healthz reports the sandbox in force. The
+        anchor's domains (`train.anchor`) play episodes too: one that runs model code without
+        that sandbox, the weaker one not accepted, is left out of the anchor with a warning."""
         from skillswarm.agent.envs import UnknownEnvironmentError, environment_class
         from skillswarm.agent.sandbox import SandboxUnavailable, require_isolation
 
+        anchor = self.config.train.anchor
         try:
             runs_code = environment_class(self.config.domain).runs_model_code
+            anchored_code = [
+                d for d in anchor.domains if anchor.active and environment_class(d).runs_model_code
+            ]
         except UnknownEnvironmentError as error:
             raise NodeError(str(error)) from error
-        if not runs_code:
+        if not runs_code and not anchored_code:
             return
         try:
             isolation = require_isolation(accept_weak=self.config.allow_weak_sandbox)
         except SandboxUnavailable as error:
-            raise NodeError(f"refusing to train {self.config.domain}: {error}") from error
+            if runs_code:
+                raise NodeError(f"refusing to train {self.config.domain}: {error}") from error
+            kept = [d for d in anchor.domains if d not in anchored_code]
+            log.warning(
+                "the anchor leaves out %s: its episodes run model-written code, and %s",
+                ", ".join(anchored_code),
+                error,
+            )
+            train = self.config.train.model_copy(
+                update={"anchor": anchor.model_copy(update={"domains": kept})}
+            )
+            self.config = self.config.model_copy(update={"train": train})
+            return
         if not isolation.kernel:
             log.warning(
-                "the %s domain runs model-written code with only the %s sandbox "
-                "(allow_weak_sandbox = true): such code could read this node's key and files",
-                self.config.domain,
+                "%s runs model-written code with only the %s sandbox (allow_weak_sandbox = "
+                "true): such code could read this node's key and files",
+                ", ".join(([self.config.domain] if runs_code else []) + anchored_code),
                 isolation,
             )
         self.status.update(sandbox={"isolation": str(isolation), "kernel": isolation.kernel})
@@ -676,6 +694,8 @@ def training_summary(config: NodeConfig) -> str:
         settings += f", KL to the round's base {train.loss.kl_coef:g}"
     if train.guidance > 0:
         settings += f", guidance {train.guidance:g}"
+    if train.anchor.active:
+        settings += f", anchor {train.anchor.coef:g} on {', '.join(train.anchor.domains)}"
     values = train.model_dump()
     overridden = []
     for path in config.train_overrides:

@@ -36,6 +36,7 @@ from skillswarm.agent.rollout import (
     RolloutEngine,
     summarize_episodes,
 )
+from skillswarm.node.anchor import AnchorBatches, AnchorConfig, play_anchor_samples
 from skillswarm.node.checkpointing import (
     TrainingState,
     load_training_checkpoint,
@@ -70,6 +71,10 @@ class RLConfig(BaseModel):
     max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, description="per turn")
     context_policy: ContextPolicy = "full"
     loss: LossConfig = Field(default_factory=LossConfig)
+    anchor: AnchorConfig = Field(
+        default_factory=AnchorConfig,
+        description="a KL term to the round's base on other domains' episodes (`node.anchor`)",
+    )
     guidance: float = Field(
         default=0.0,
         ge=0,
@@ -295,8 +300,8 @@ class AsyncRLRun:
         if config.checkpoint_every and checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
         model.to(resolve_device(config.device))
-        if config.loss.kl_coef > 0 and reference_model is None:
-            # The KL term's reference: the policy as the run starts (a node's round base).
+        if (config.loss.kl_coef > 0 or config.anchor.active) and reference_model is None:
+            # The KL terms' reference: the policy as the run starts (a node's round base).
             reference_model = copy.deepcopy(model).eval()
         self.model = model
         self.tokenizer = tokenizer
@@ -327,11 +332,12 @@ class AsyncRLRun:
         """Finish the step in progress, write a checkpoint, and return from `run()`."""
         self.stop_requested.set()
 
-    def rollout_engine(self) -> RolloutEngine:
-        """A rollout engine on this run's backend and environment, as the producers play with."""
+    def rollout_engine(self, env: Environment | None = None) -> RolloutEngine:
+        """A rollout engine on this run's backend and environment (or `env`), as the producers
+        play with."""
         return RolloutEngine(
             self.backend,
-            self.env,
+            env or self.env,
             max_new_tokens=self.config.max_new_tokens,
             context_policy=self.config.context_policy,
             tool_call_format=self.tool_call_format,
@@ -371,6 +377,21 @@ class AsyncRLRun:
         if self.metrics_path is not None:
             _forget_steps_from(self.metrics_path, start_step)
         self.trainer.updates = start_step
+        if config.anchor.active:
+            # Played before the trainer's weights are pushed: a backend with its own copy still
+            # holds the policy the run was handed (the round's base), resumed or not.
+            samples = play_anchor_samples(
+                self.rollout_engine, config.anchor, self.env.name, seed=config.seed
+            )
+            self.trainer.anchor = AnchorBatches(samples, config.anchor.per_step)
+            self.trainer.anchor_coef = config.anchor.coef
+            logger.info(
+                "anchor: %d episodes of %s, %d a step at weight %g",
+                len(samples),
+                ", ".join(config.anchor.domains),
+                config.anchor.per_step,
+                config.anchor.coef,
+            )
         self._push_weights(version)
         # Weights reach the backend every k steps, so they lag the trainer by up to k - 1 versions:
         # the producer may run ahead by what is left of the staleness budget.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from skillswarm.agent.envs.base import Environment
@@ -21,6 +22,9 @@ from skillswarm.node.loss import (
     policy_loss,
 )
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from skillswarm.node.anchor import AnchorBatches
 
 StepCallback = Callable[[dict[str, float]], None]
 
@@ -125,6 +129,49 @@ def length_sorted_micro_batches(
         else:
             current.append(index)
     return batches
+
+
+def anchor_kl(
+    model: PreTrainedModel,
+    reference: PreTrainedModel,
+    samples: Sequence[ConversationTokens],
+    pad_token_id: int,
+    *,
+    micro_batch_size: int = 32,
+    micro_batch_tokens: int = 8192,
+    scale: float = 1.0,
+) -> float:
+    """Backpropagate `scale` × the mean, over the sampled tokens of `samples`, of the
+    full-vocabulary KL(reference ‖ model) of the next-token distribution that wrote each of them
+    (the anchor of `node.anchor`); returns that mean (detached). Nothing is backpropagated when
+    `scale` is 0."""
+    total_tokens = sum(s.num_sampled_tokens for s in samples)
+    if total_tokens == 0:
+        return 0.0
+    device = next(model.parameters()).device
+    kl_sum = 0.0
+    for indices in length_sorted_micro_batches(
+        [len(s.token_ids) for s in samples], micro_batch_size, micro_batch_tokens
+    ):
+        part = [samples[i] for i in indices]
+        input_ids, attention_mask, (loss_mask,) = right_padded(
+            [s.token_ids for s in part], pad_token_id, [s.loss_mask for s in part]
+        )
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        # Logits at position t predict token t + 1: keep those of the sampled tokens only.
+        where = loss_mask[:, 1:].to(device).bool()
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        with torch.no_grad():
+            ref_logits = reference(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            ).logits
+        log_p = torch.log_softmax(logits[:, :-1][where].float(), dim=-1)
+        log_q = torch.log_softmax(ref_logits[:, :-1][where].float().to(log_p.device), dim=-1)
+        kl = (log_q.exp() * (log_q - log_p)).sum()
+        if scale:
+            (kl * (scale / total_tokens)).backward()
+        kl_sum += float(kl.detach())
+    return kl_sum / total_tokens
 
 
 def check_mix_weights(weights: Sequence[float], count: int) -> None:
@@ -299,6 +346,9 @@ class PolicyGradientTrainer:
                 model.parameters(), lr=lr, momentum=betas[0], weight_decay=weight_decay
             )
         self.updates = 0
+        # The KL anchor on other domains' episodes (`node.anchor`), set by the pipeline.
+        self.anchor: AnchorBatches | None = None
+        self.anchor_coef = 0.0
 
     def step(self, episodes: Sequence[Episode]) -> dict[str, float]:
         """One optimizer update from `episodes` (several per task); returns its metrics.
@@ -402,6 +452,19 @@ class PolicyGradientTrainer:
             loss.backward()
             loss_sum += float(loss.detach())
             parts.append(part_metrics)
+        if self.anchor is not None and self.anchor_coef > 0:
+            assert self.reference_model is not None, "the anchor needs the reference model"
+            kl = anchor_kl(
+                self.model,
+                self.reference_model,
+                self.anchor.take(),
+                self.tokenizer.pad_token_id,
+                micro_batch_size=self.micro_batch_size,
+                micro_batch_tokens=self.micro_batch_tokens,
+                scale=self.anchor_coef,
+            )
+            metrics["anchor_kl"] = kl
+            loss_sum += self.anchor_coef * kl
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         )

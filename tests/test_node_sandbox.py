@@ -1,6 +1,7 @@
 """A node that would run model-written code insists on the kernel sandbox: without bubblewrap it
-refuses the code domain unless its config accepts the weaker sandbox, and then it warns; its
-/healthz reports the sandbox in force."""
+refuses the code domain unless its config accepts the weaker sandbox, and then it warns; a node
+whose KL anchor would play code episodes leaves code out of the anchor instead; its /healthz
+reports the sandbox in force."""
 
 from __future__ import annotations
 
@@ -52,6 +53,27 @@ def test_an_accepted_weak_sandbox_is_said_at_start(tmp_path: Path, not_a_coordin
     assert "refusing" not in result.stderr
     assert "only the audit-hook sandbox" in result.stderr
     assert "404" in result.stderr  # it went on to ask the coordinator
+
+
+def test_an_anchor_on_code_without_kernel_isolation_leaves_code_out(
+    tmp_path: Path, not_a_coordinator: str
+) -> None:
+    config = NodeConfig(
+        work_dir=tmp_path / "node",
+        domain="math",
+        coordinator_url=not_a_coordinator,
+        train={"anchor": {"coef": 1.0, "domains": ["code", "search"]}},
+    )
+    result = _node_run(config, tmp_path / "node.toml", "audit-hook")
+    assert "refusing" not in result.stderr
+    assert "the anchor leaves out code: its episodes run model-written code" in result.stderr
+    assert "anchor 1 on search)" in result.stderr  # the training summary, after the check
+    assert "404" in result.stderr  # it went on to ask the coordinator
+    accepted = config.model_copy(update={"allow_weak_sandbox": True})
+    result = _node_run(accepted, tmp_path / "weak.toml", "audit-hook")
+    assert "leaves out" not in result.stderr
+    assert "code runs model-written code with only the audit-hook sandbox" in result.stderr
+    assert "anchor 1 on code, search)" in result.stderr
 
 
 @pytest.mark.skipif(
