@@ -15,6 +15,7 @@ term with `node.train.anchor_kl`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -65,19 +66,21 @@ def play_anchor_samples(
     """Episodes of every anchored domain, played by the engine `engine_for` makes for its
     environment (on the backend that holds the round's base), as training samples:
     `config.episodes` tasks per domain drawn with `seed` (the run's: a node's changes every
-    round), one episode each. Samples with no sampled token are dropped."""
+    round), one episode each, taken in turn from each domain (so that every few steps hold them
+    all). Samples with no sampled token are dropped."""
     if own_domain is not None and own_domain in config.domains:
         raise ValueError(
             f"the anchor holds other domains' episodes, not the node's own ({own_domain})"
         )
-    samples: list[ConversationTokens] = []
+    per_domain: list[list[ConversationTokens]] = []
     for index, domain in enumerate(config.domains):
         env = get_environment(domain)
         domain_seed = seed * 1_000_003 + 7919 * (index + 1)
         tasks = env.tasks("train", config.episodes, seed=domain_seed)
         played = engine_for(env).play(tasks, temperature=config.temperature, seed=domain_seed)
-        samples += [s for e in played for s in e.samples if s.num_sampled_tokens > 0]
-    return samples
+        per_domain.append([s for e in played for s in e.samples if s.num_sampled_tokens > 0])
+    interleaved = itertools.chain.from_iterable(itertools.zip_longest(*per_domain))
+    return [sample for sample in interleaved if sample is not None]
 
 
 class AnchorBatches:

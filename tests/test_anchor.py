@@ -139,3 +139,38 @@ def test_a_run_with_an_anchor_plays_the_other_domain_with_the_base_and_reports_i
         assert ("anchor_kl" in metrics) == (metrics["skipped"] == 0.0)
         if "anchor_kl" in metrics:
             assert metrics["anchor_kl"] >= 0.0
+
+
+def test_anchor_episodes_alternate_between_the_anchored_domains(tiny_base) -> None:
+    from skillswarm.agent.inference import HFBackend
+    from skillswarm.agent.rollout import RolloutEngine
+
+    model, tokenizer = load_policy(tiny_base)
+    backend = HFBackend(model, tokenizer)
+    played_by: list[str] = []
+
+    def engine_for(env):
+        engine = RolloutEngine(backend, env, max_new_tokens=16)
+        play = engine.play
+
+        def recording_play(tasks, **options):
+            episodes = play(tasks, **options)
+            played_by.extend([env.name] * sum(len(e.samples) for e in episodes))
+            return episodes
+
+        engine.play = recording_play  # type: ignore[method-assign]
+        return engine
+
+    config = AnchorConfig(coef=1.0, domains=["search", "math"], episodes=3)
+    samples = play_anchor_samples(engine_for, config, "code", seed=4)
+    assert played_by == ["search"] * 3 + ["math"] * 3  # one episode a task, domain by domain
+    opening = {d: get_environment(d).system_prompt[:40] for d in ("search", "math")}
+    assert opening["search"] != opening["math"]
+    kinds = [
+        next(d for d, text in opening.items() if text in tokenizer.decode(s.token_ids))
+        for s in samples
+    ]
+    kept = len(samples)
+    assert kept >= 4 and kinds[:4] == ["search", "math", "search", "math"]
+    again = play_anchor_samples(engine_for, config, "code", seed=5)
+    assert [s.token_ids for s in again] != [s.token_ids for s in samples]  # other tasks
