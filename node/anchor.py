@@ -84,13 +84,17 @@ def play_anchor_samples(
 
 
 class AnchorBatches:
-    """Hands out `per_step` anchor samples at a time, cycling through all of them in order."""
+    """The anchor a trainer holds: its weight `coef`, and its samples, handed out `per_step` at a
+    time, cycling through all of them in order."""
 
-    def __init__(self, samples: Sequence[ConversationTokens], per_step: int) -> None:
+    def __init__(
+        self, samples: Sequence[ConversationTokens], per_step: int, coef: float = 1.0
+    ) -> None:
         if per_step < 1:
             raise ValueError("per_step must be positive")
         self.samples = list(samples)
         self.per_step = per_step
+        self.coef = coef
         self._next = 0
 
     def take(self) -> list[ConversationTokens]:

@@ -236,9 +236,8 @@ class NodeDaemon:
         anchor = self.config.train.anchor
         try:
             runs_code = environment_class(self.config.domain).runs_model_code
-            anchored_code = [
-                d for d in anchor.domains if anchor.active and environment_class(d).runs_model_code
-            ]
+            anchored = anchor.domains if anchor.active else []
+            anchored_code = [d for d in anchored if environment_class(d).runs_model_code]
         except UnknownEnvironmentError as error:
             raise NodeError(str(error)) from error
         if not runs_code and not anchored_code:

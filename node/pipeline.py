@@ -383,8 +383,7 @@ class AsyncRLRun:
             samples = play_anchor_samples(
                 self.rollout_engine, config.anchor, self.env.name, seed=config.seed
             )
-            self.trainer.anchor = AnchorBatches(samples, config.anchor.per_step)
-            self.trainer.anchor_coef = config.anchor.coef
+            self.trainer.anchor = AnchorBatches(samples, config.anchor.per_step, config.anchor.coef)
             logger.info(
                 "anchor: %d episodes of %s, %d a step at weight %g",
                 len(samples),

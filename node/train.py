@@ -166,7 +166,7 @@ def anchor_kl(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False
             ).logits
         log_p = torch.log_softmax(logits[:, :-1][where].float(), dim=-1)
-        log_q = torch.log_softmax(ref_logits[:, :-1][where].float().to(log_p.device), dim=-1)
+        log_q = torch.log_softmax(ref_logits[:, :-1][where].float(), dim=-1)
         kl = (log_q.exp() * (log_q - log_p)).sum()
         if scale:
             (kl * (scale / total_tokens)).backward()
@@ -348,7 +348,6 @@ class PolicyGradientTrainer:
         self.updates = 0
         # The KL anchor on other domains' episodes (`node.anchor`), set by the pipeline.
         self.anchor: AnchorBatches | None = None
-        self.anchor_coef = 0.0
 
     def step(self, episodes: Sequence[Episode]) -> dict[str, float]:
         """One optimizer update from `episodes` (several per task); returns its metrics.
@@ -452,7 +451,7 @@ class PolicyGradientTrainer:
             loss.backward()
             loss_sum += float(loss.detach())
             parts.append(part_metrics)
-        if self.anchor is not None and self.anchor_coef > 0:
+        if self.anchor is not None and self.anchor.coef > 0:
             assert self.reference_model is not None, "the anchor needs the reference model"
             kl = anchor_kl(
                 self.model,
@@ -461,10 +460,10 @@ class PolicyGradientTrainer:
                 self.tokenizer.pad_token_id,
                 micro_batch_size=self.micro_batch_size,
                 micro_batch_tokens=self.micro_batch_tokens,
-                scale=self.anchor_coef,
+                scale=self.anchor.coef,
             )
             metrics["anchor_kl"] = kl
-            loss_sum += self.anchor_coef * kl
+            loss_sum += self.anchor.coef * kl
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         )

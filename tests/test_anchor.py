@@ -124,7 +124,7 @@ def test_a_run_with_an_anchor_plays_the_other_domain_with_the_base_and_reports_i
     run = AsyncRLRun(model, tokenizer, get_environment("math"), config)
     history = run.run()
 
-    assert run.trainer.anchor is not None and run.trainer.anchor_coef == 1.0
+    assert run.trainer.anchor is not None and run.trainer.anchor.coef == 1.0
     samples = run.trainer.anchor.samples
     assert 1 <= len(samples) <= 3 and all(s.num_sampled_tokens > 0 for s in samples)
     search_tools = {tool["function"]["name"] for tool in get_environment("search").tool_schemas()}
