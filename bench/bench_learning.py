@@ -5,7 +5,7 @@ success after on the same tasks, and the gain in points. Exits 1 when any gain i
 Run: `python bench/bench_learning.py [--minutes 10] [--steps N] [--domains math,code,search]
 [--base PATH] [--eval-tasks 128] [--min-gain 15] [--json results.json]`, plus overrides of the
 recipes' settings (`--help` lists them: temperature, learning rate, optimizer, tasks per step,
-group size, loss fields…). Without --base it builds the default base as `skillswarm bootstrap`
+group size, guidance, training seed, loss fields…). Without --base it builds the default base as `skillswarm bootstrap`
 does (copy pretraining, then math, code and search with MULTI_DOMAIN_WARM_START_STEPS and
 DEFAULT_DOMAIN_WEIGHTS, the machine's cores) and times that too. Domains run one after another
 from the same base, each with one torch thread per pipeline thread (rollout producers and
@@ -230,6 +230,10 @@ def _with_overrides(recipe: RLConfig, args: argparse.Namespace) -> RLConfig:
         settings["tasks_per_step"] = args.tasks_per_step
     if args.samples_per_task is not None:
         settings["samples_per_task"] = args.samples_per_task
+    if args.guidance is not None:
+        settings["guidance"] = args.guidance
+    if args.seed is not None:
+        settings["seed"] = args.seed
     for option in args.loss:
         name, separator, value = option.partition("=")
         if not separator or name.strip() not in LossConfig.model_fields:
@@ -269,6 +273,12 @@ def main() -> int:
     parser.add_argument(
         "--samples-per-task", type=int, help="episodes per task, the group size (all domains)"
     )
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        help="weight of the solver's episode in a group that failed, 0 off (all domains)",
+    )
+    parser.add_argument("--seed", type=int, help="training seed (the recipe's, 0)")
     parser.add_argument(
         "--loss",
         action="append",
