@@ -5,14 +5,14 @@ success after on the same tasks, and the gain in points. Exits 1 when any gain i
 Run: `python bench/bench_learning.py [--minutes 10] [--steps N] [--domains math,code,search]
 [--base PATH] [--eval-tasks 128] [--min-gain 15] [--json results.json]`, plus overrides of the
 recipes' settings (`--help` lists them: temperature, learning rate, optimizer, tasks per step,
-group size, guidance, training seed, loss fields…). Without --base it builds the default base as `skillswarm bootstrap`
-does (copy pretraining, then math, code and search with MULTI_DOMAIN_WARM_START_STEPS and
-DEFAULT_DOMAIN_WEIGHTS, the machine's cores) and times that too. Domains run one after another
-from the same base, each with one torch thread per pipeline thread (rollout producers and
-trainer), so a run uses the machine's two cores. Held-out success is
-also reported sampled at the recipe's temperature (one episode per task), the policy RL trains.
-Beside each wall time the table gives the process's CPU minutes and the load average before/after:
-other work on the machine leaves a run fewer steps in the same budget.
+group size, guidance, training seed, loss fields…). Without --base it builds the default base as
+`skillswarm bootstrap` does (copy pretraining, then math, code and search with
+MULTI_DOMAIN_WARM_START_STEPS and DEFAULT_DOMAIN_WEIGHTS, the machine's cores) and times that too.
+Domains run one after another from the same base, each with one torch thread per pipeline thread
+(rollout producers and trainer), so a run uses the machine's two cores. Held-out success is also
+reported sampled at the recipe's temperature (one episode per task), the policy RL trains. Beside
+each wall time the table gives the process's CPU minutes and the load average before/after: other
+work on the machine leaves a run fewer steps in the same budget.
 """
 
 from __future__ import annotations

@@ -170,7 +170,6 @@ def test_anchor_episodes_alternate_between_the_anchored_domains(tiny_base) -> No
         next(d for d, text in opening.items() if text in tokenizer.decode(s.token_ids))
         for s in samples
     ]
-    kept = len(samples)
-    assert kept >= 4 and kinds[:4] == ["search", "math", "search", "math"]
+    assert len(samples) >= 4 and kinds[:4] == ["search", "math", "search", "math"]
     again = play_anchor_samples(engine_for, config, "code", seed=5)
     assert [s.token_ids for s in again] != [s.token_ids for s in samples]  # other tasks
