@@ -5,11 +5,16 @@ delta as a node does; then the three deltas are merged by each spec of the sweep
 streaming merge through mergekit) and every merge is scored greedily on the same held-out tasks of
 every domain. Prints, per spec, success per domain with its 95% Wilson interval, the paired
 difference with the base (bootstrap interval), and the retention (merged − base) / (expert − base)
-of each domain's expert gain. Writes `sweep.json` into --out; `--reuse` merges the deltas a
-previous run left there instead of training again.
+of each domain's expert gain. Every merge leaves the tensors --keep-base-tensors names at the
+base, as the coordinator's plan does (default: its default, the token embedding and the output
+head); with --compare-keep-base each spec is also merged over every tensor (its name followed by
+"·all"), so the two are compared on the same deltas and tasks. Each expert is scored on every
+domain, which shows what a delta alone costs the others. Writes `sweep.json` into --out;
+`--reuse` merges the deltas a previous run left there instead of training again.
 
-Run: `python bench/bench_merge_sweep.py [--rounds-worth 1] [--eval-tasks 128] [--seed 0]
-[--base DIR] [--out runs/bench-merge-sweep] [--reuse] [--only linear,ties-sum,…]`.
+Run: `python bench/bench_merge_sweep.py [--rounds-worth 1 | --swarm-steps] [--eval-tasks 128]
+[--eval-seed 0] [--seed 0] [--base DIR] [--out runs/bench-merge-sweep] [--reuse]
+[--only linear,ties-sum,…] [--keep-base-tensors P,…|none] [--compare-keep-base]`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 from skillswarm.agent.evaluate import evaluate_checkpoint
 from skillswarm.agent.model import load_policy, set_torch_threads
 from skillswarm.agent.stats import paired_difference
+from skillswarm.coordinator.config import MergePlan
 from skillswarm.coordinator.evaluation import scores_row
 from skillswarm.coordinator.gates import write_expert_checkpoint
 from skillswarm.merge.methods import MergeSpec
@@ -37,7 +43,13 @@ from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, pu
 from skillswarm.protocol.manifest import DeltaManifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_swarm import DOMAINS, folder_id, train_steps  # noqa: E402 (the bench folder is no package)
+from bench_swarm import (  # noqa: E402 (the bench folder is no package)
+    DEFAULT_STEPS,
+    DOMAINS,
+    folder_id,
+    parse_keep_base,
+    train_steps,
+)
 
 SWEEP: dict[str, MergeSpec] = {
     "linear": MergeSpec(method="linear", parameters={"weight": 1.0}),
@@ -80,6 +92,25 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/bench-merge-sweep"))
     parser.add_argument("--reuse", action="store_true", help="merge the deltas already in --out")
     parser.add_argument("--only", help=f"comma-separated specs of {', '.join(SWEEP)}")
+    parser.add_argument(
+        "--swarm-steps",
+        action="store_true",
+        help=f"train each expert the swarm bench's steps a round ({DEFAULT_STEPS}) instead of "
+        "--rounds-worth recipe rounds",
+    )
+    parser.add_argument(
+        "--keep-base-tensors",
+        type=parse_keep_base,
+        default=MergePlan().keep_base_tensors,
+        metavar="PATTERN,…|none",
+        help="tensors every merge leaves at the base (the coordinator's keep_base_tensors; "
+        "default %(default)s)",
+    )
+    parser.add_argument(
+        "--compare-keep-base",
+        action="store_true",
+        help="also merge each spec over every tensor, named SPEC·all",
+    )
     args = parser.parse_args()
     if args.base is None:
         from skillswarm.node.bootstrap import embedded_base
@@ -100,7 +131,11 @@ def main() -> int:
         key = load_or_create_identity(args.out / "identity.key")
         base_tensors = dict(iter_base_tensors(args.base))
         for index, domain in enumerate(DOMAINS):
-            steps = recipe_for(domain).steps * args.rounds_worth
+            steps = (
+                DEFAULT_STEPS[domain]
+                if args.swarm_steps
+                else recipe_for(domain).steps * args.rounds_worth
+            )
             print(f"training the {domain} expert: {steps} steps", flush=True)
             model, tokenizer = load_policy(args.base)
             train_steps(model, tokenizer, domain, steps, args.seed + 1000 + 100 * index)
@@ -128,12 +163,27 @@ def main() -> int:
     }
     for domain, reader in readers.items():
         folder = write_expert_checkpoint(args.base, reader, work / f"expert-{domain}")
-        results[f"expert:{domain}"] = score(folder, (domain,), args.eval_tasks, args.eval_seed)
-    experts = [TaskVector(name=d, expert=r.expert) for d, r in readers.items()]
-    for name in names:
-        folder = merge_checkpoint(args.base, experts, work / name, SWEEP[name])
-        results[name] = score(folder, DOMAINS, args.eval_tasks, args.eval_seed)
-        print(f"{name:<22}" + "".join(f"{cell(results[name][d]):>24}" for d in DOMAINS), flush=True)
+        results[f"expert:{domain}"] = score(folder, DOMAINS, args.eval_tasks, args.eval_seed)
+    plan = MergePlan(keep_base_tensors=args.keep_base_tensors)
+
+    def vector(domain: str, reader: DeltaReader, every_tensor: bool) -> TaskVector:
+        if every_tensor:
+            return TaskVector(name=domain, expert=reader.expert)
+        return TaskVector(
+            name=domain,
+            expert=lambda key, base: None if plan.keeps_base(key) else reader.expert(key, base),
+        )
+
+    runs = [(name, SWEEP[name], False) for name in names]
+    if args.compare_keep_base and args.keep_base_tensors:
+        runs += [(f"{name}·all", SWEEP[name], True) for name in names]
+    for label, spec, every_tensor in runs:
+        experts = [vector(d, r, every_tensor) for d, r in readers.items()]
+        folder = merge_checkpoint(args.base, experts, work / label, spec)
+        results[label] = score(folder, DOMAINS, args.eval_tasks, args.eval_seed)
+        cells = "".join(f"{cell(results[label][d]):>24}" for d in DOMAINS)
+        print(f"{label:<22}{cells}", flush=True)
+    names = [label for label, _, _ in runs]
     base = results["base"]
     table: dict[str, Any] = {}
     print(f"\ngreedy held-out success on {args.eval_tasks} tasks per domain (95% Wilson)")
@@ -166,7 +216,8 @@ def main() -> int:
         json.dumps(
             {
                 "settings": {k: str(v) for k, v in vars(args).items()},
-                "specs": {n: SWEEP[n].model_dump() for n in names},
+                "specs": {label: spec.model_dump() for label, spec, _ in runs},
+                "keep_base_tensors": args.keep_base_tensors,
                 "scores": compact,
                 "versus_base": table,
                 "minutes": (time.perf_counter() - started) / 60,

@@ -20,7 +20,8 @@ per domain per round for every arm) and `results.json` into --out.
 Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=90,code=16,search=10]
 [--eval-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm] [--outer-lr 1]
 [--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer] [--guidance math=0.25,…]
-[--kl math=0.1,…] [--anchor math=1,…] [--domain-weights 0.5,1|none]`.
+[--kl math=0.1,…] [--anchor math=1,…] [--domain-weights 0.5,1|none]
+[--keep-base-tensors PATTERN,…|none]`.
 Without --base it uses the embedded base shipped in the package (`skillswarm bootstrap` rebuilds
 one). `--help` prints the step budget of each arm. Exits 1 when, after the last round, the
 published model does not beat the base by --min-gain points with the paired interval above zero
@@ -70,6 +71,20 @@ DEFAULT_STEPS = {
     "search": recipe_for("search").steps,
 }
 ARMS = ("base", "swarm", "experts", "mixed")
+
+
+def parse_keep_base(text: str) -> list[str]:
+    """`*embed_tokens.weight,lm_head.weight` → the patterns; `none` → [] (merge every tensor)."""
+    if text.strip().lower() == "none":
+        return []
+    patterns = [part.strip() for part in text.split(",")]
+    try:
+        MergePlan(keep_base_tensors=patterns)  # the coordinator's own bounds
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(
+            f"--keep-base-tensors takes PATTERN,PATTERN,… or none; got {text!r}: {error}"
+        ) from None
+    return patterns
 
 
 def parse_domain_weights(text: str) -> list[float]:
@@ -222,6 +237,7 @@ class Bench:
                 own_domain_gate_alpha=args.gate_alpha,
                 subsets_on_hold=not args.no_subsets,
                 domain_weights=args.domain_weights,
+                keep_base_tensors=args.keep_base_tensors,
             ),
         )
         self.evaluator = Evaluator(self.config.eval)
@@ -644,6 +660,14 @@ def main() -> int:
         help="task arithmetic with a weight per domain tried beside the plain λ candidates, "
         "each of these weights for each domain ('none': off; the coordinator's domain_weights; "
         "default %(default)s)",
+    )
+    parser.add_argument(
+        "--keep-base-tensors",
+        type=parse_keep_base,
+        default=MergePlan().keep_base_tensors,
+        metavar="PATTERN,…|none",
+        help="tensors every merge leaves at the base's weights (the coordinator's "
+        "keep_base_tensors; 'none': merge every tensor; default %(default)s)",
     )
     parser.add_argument(
         "--no-subsets",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from skillswarm.coordinator.config import MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, mean_reward
 from skillswarm.coordinator.publication import Decision
@@ -152,6 +153,7 @@ def merge_and_decide(
     subset that passes is the verdict; if none passes, the same from the best-scoring subset,
     until one delta is left. With no subset passing, the verdict is the full merge's hold."""
     experts = list(merging)
+    task_vector = _kept_at_base(plan, task_vector)
     vectors = [task_vector(e) for e in experts]
     specs = [
         *plan.specs(),
@@ -206,6 +208,25 @@ def merge_and_decide(
         shutil.rmtree(best.folder, ignore_errors=True)
         current = best.subset
     return held
+
+
+def _kept_at_base(
+    plan: MergePlan, task_vector: Callable[[ExpertInput], TaskVector]
+) -> Callable[[ExpertInput], TaskVector]:
+    """`task_vector` with the tensors plan.keep_base_tensors names left unchanged (the getter
+    answers None there, which a merge takes as the base's tensor)."""
+    if not plan.keep_base_tensors:
+        return task_vector
+
+    def vector(expert: ExpertInput) -> TaskVector:
+        full = task_vector(expert)
+
+        def tensor(name: str, base: torch.Tensor) -> torch.Tensor | None:
+            return None if plan.keeps_base(name) else full.expert(name, base)
+
+        return TaskVector(name=full.name, expert=tensor)
+
+    return vector
 
 
 @dataclass

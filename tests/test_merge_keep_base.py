@@ -1,0 +1,88 @@
+"""Tensors the merge keeps at the base (`MergePlan.keep_base_tensors`): left out of every task
+vector, so the published merge holds the base's weights there and the deltas' sum elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from delta_helpers import noisy
+from pydantic import ValidationError
+from safetensors.torch import load_file
+from skillswarm.coordinator.candidates import merge_and_decide
+from skillswarm.coordinator.config import EvalConfig, MergePlan
+from skillswarm.coordinator.evaluation import Evaluator, ExpertInput
+from skillswarm.coordinator.publication import Decision
+from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
+from skillswarm.merge.streaming import TaskVector
+from skillswarm.merge.tensors import iter_base_tensors
+from skillswarm.protocol.blobstore import BlobStore
+from skillswarm.protocol.delta import DeltaReader, pack_delta
+from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def test_the_default_keeps_the_shared_vocabulary_tensors_and_patterns_are_bounded():
+    plan = MergePlan()
+    assert plan.keeps_base(EMBEDDING) and plan.keeps_base("lm_head.weight")
+    assert not plan.keeps_base("model.layers.0.mlp.up_proj.weight")
+    assert not plan.keeps_base("model.norm.weight")
+    # A plan naming its own method still keeps them; [] merges every tensor.
+    assert MergePlan(method="linear").keeps_base(EMBEDDING)
+    assert not MergePlan(keep_base_tensors=[]).keeps_base(EMBEDDING)
+    assert MergePlan(keep_base_tensors=["*.norm.weight"]).keeps_base("model.norm.weight")
+    with pytest.raises(ValidationError, match="keep_base_tensors"):
+        MergePlan(keep_base_tensors=[""])
+    with pytest.raises(ValidationError, match="keep_base_tensors"):
+        MergePlan(keep_base_tensors=["x" * 201])
+    with pytest.raises(ValidationError):
+        MergePlan(keep_base_tensors=["a"] * 17)
+
+
+@pytest.mark.parametrize("keep", [None, []])
+def test_a_merge_leaves_the_kept_tensors_at_the_base_and_sums_the_rest(tmp_path, tiny_base, keep):
+    """Two deltas merged by task arithmetic at λ 1 (one spec, published): every tensor is the
+    base plus both deltas, except those the plan keeps, which are the base's bit for bit."""
+    key = load_or_create_identity(tmp_path / "node.key")
+    base = dict(iter_base_tensors(tiny_base))
+    assert EMBEDDING in base
+    blobs = BlobStore(tmp_path / "blobs")
+    tuned = {domain: noisy(base, seed=i, scale=1e-3) for i, domain in enumerate(("math", "code"))}
+    experts = []
+    for domain, weights in tuned.items():
+        manifest = pack_delta(
+            base,
+            weights,
+            blobs,
+            peer_id=peer_id_of(key),
+            public_key=public_key_bytes(key),
+            domain=domain,
+            base_id="b" * 64,
+            round=1,
+            steps=1,
+        )
+        experts.append(ExpertInput(f"expert:{domain}", domain, DeltaReader(manifest, blobs)))
+    fields = {} if keep is None else {"keep_base_tensors": keep}
+    plan = MergePlan(method="task_arithmetic", parameters={"weight": 1.0}, **fields)
+    verdict = merge_and_decide(
+        plan,
+        Evaluator(EvalConfig(domains=["math"], n_tasks=2)),
+        OuterOptimizer(tmp_path / "outer", OuterOptimizerConfig()),
+        "b" * 64,
+        tiny_base,
+        experts,
+        tmp_path / "work",
+        1,
+        lambda scores: Decision(True, "published"),
+        lambda e: TaskVector(name=e.domain, expert=e.reader.expert),
+    )
+    merged = load_file(verdict.candidate_dir / "model.safetensors")
+    kept = [name for name in base if plan.keeps_base(name)]
+    assert kept == ([] if keep == [] else [EMBEDDING])
+    for name, tensor in base.items():
+        if name in kept:
+            assert torch.equal(merged[name], tensor), name
+        else:
+            summed = tensor + (tuned["math"][name] - tensor) + (tuned["code"][name] - tensor)
+            assert torch.allclose(merged[name], summed, atol=1e-6), name
+            assert not torch.equal(merged[name], tensor), name
