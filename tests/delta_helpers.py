@@ -6,14 +6,40 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from skillswarm.coordinator.evaluation import ExpertInput
 from skillswarm.coordinator.service import Coordinator
 from skillswarm.coordinator.store import DeltaRecord
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
-from skillswarm.protocol.delta import pack_delta
+from skillswarm.protocol.delta import DeltaReader, pack_delta
 from skillswarm.protocol.identity import KeyPair, peer_id_of, public_key_bytes
 from skillswarm.protocol.manifest import sign_manifest
 from skillswarm.protocol.messages import DeltaAnnounced
+
+
+def expert_inputs(
+    base: Mapping[str, torch.Tensor],
+    tuned: Mapping[str, Mapping[str, torch.Tensor]],
+    blobs: BlobStore,
+    key: KeyPair,
+) -> list[ExpertInput]:
+    """One round-1 delta per domain of `tuned` (domain → its weights) from `base`, packed into
+    `blobs` and signed by `key`, as the merge functions take them (labels `expert:DOMAIN`)."""
+    experts = []
+    for domain, weights in tuned.items():
+        manifest = pack_delta(
+            base,
+            weights,
+            blobs,
+            peer_id=peer_id_of(key),
+            public_key=public_key_bytes(key),
+            domain=domain,
+            base_id="b" * 64,
+            round=1,
+            steps=1,
+        )
+        experts.append(ExpertInput(f"expert:{domain}", domain, DeltaReader(manifest, blobs)))
+    return experts
 
 
 def current_base_tensors(c: Coordinator) -> dict[str, torch.Tensor]:

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from delta_helpers import noisy
+from delta_helpers import expert_inputs, noisy
 from pydantic import ValidationError
 from safetensors.torch import load_file
 from skillswarm.coordinator.candidates import merge_and_decide
 from skillswarm.coordinator.config import EvalConfig, MergePlan
-from skillswarm.coordinator.evaluation import Evaluator, ExpertInput
+from skillswarm.coordinator.evaluation import Evaluator
 from skillswarm.coordinator.publication import Decision
 from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
 from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
-from skillswarm.protocol.delta import DeltaReader, pack_delta
-from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
+from skillswarm.protocol.identity import load_or_create_identity
 
 EMBEDDING = "model.embed_tokens.weight"
 
@@ -48,20 +47,7 @@ def test_a_merge_leaves_the_kept_tensors_at_the_base_and_sums_the_rest(tmp_path,
     assert EMBEDDING in base
     blobs = BlobStore(tmp_path / "blobs")
     tuned = {domain: noisy(base, seed=i, scale=1e-3) for i, domain in enumerate(("math", "code"))}
-    experts = []
-    for domain, weights in tuned.items():
-        manifest = pack_delta(
-            base,
-            weights,
-            blobs,
-            peer_id=peer_id_of(key),
-            public_key=public_key_bytes(key),
-            domain=domain,
-            base_id="b" * 64,
-            round=1,
-            steps=1,
-        )
-        experts.append(ExpertInput(f"expert:{domain}", domain, DeltaReader(manifest, blobs)))
+    experts = expert_inputs(base, tuned, blobs, key)
     fields = {} if keep is None else {"keep_base_tensors": keep}
     plan = MergePlan(method="task_arithmetic", parameters={"weight": 1.0}, **fields)
     verdict = merge_and_decide(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from delta_helpers import current_base_tensors, hand_in_delta, noisy
+from delta_helpers import current_base_tensors, expert_inputs, hand_in_delta, noisy
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 from skillswarm.coordinator.app import create_app
@@ -21,7 +21,7 @@ from skillswarm.coordinator.config import (
     PublishPolicy,
     RoundPolicy,
 )
-from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, gate_verdict
+from skillswarm.coordinator.evaluation import Evaluator, gate_verdict
 from skillswarm.coordinator.publication import Decision, compare_rows, publication_decision
 from skillswarm.coordinator.service import Coordinator
 from skillswarm.coordinator.store import DeltaRecord
@@ -29,8 +29,7 @@ from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig, load_st
 from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
-from skillswarm.protocol.delta import DeltaReader, pack_delta
-from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
+from skillswarm.protocol.identity import load_or_create_identity
 
 
 def _row(successes: list[int]) -> dict:
@@ -351,20 +350,8 @@ def test_subsets_are_searched_down_to_one_delta_from_the_best_scoring_subset(tmp
     key = load_or_create_identity(tmp_path / "node.key")
     base = dict(iter_base_tensors(tiny_base))
     blobs = BlobStore(tmp_path / "blobs")
-    experts = []
-    for index, domain in enumerate(("math", "code", "search")):
-        manifest = pack_delta(
-            base,
-            noisy(base, seed=index, scale=1e-4),
-            blobs,
-            peer_id=peer_id_of(key),
-            public_key=public_key_bytes(key),
-            domain=domain,
-            base_id="b" * 64,
-            round=1,
-            steps=1,
-        )
-        experts.append(ExpertInput(f"expert:{domain}", domain, DeltaReader(manifest, blobs)))
+    tuned = {d: noisy(base, seed=i, scale=1e-4) for i, d in enumerate(("math", "code", "search"))}
+    experts = expert_inputs(base, tuned, blobs, key)
     evaluator = Evaluator(EvalConfig(domains=["math"], n_tasks=4))
     calls: list[int] = []
 
