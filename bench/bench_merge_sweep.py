@@ -6,9 +6,9 @@ streaming merge through mergekit) and every merge is scored greedily on the same
 every domain. Prints, per spec, success per domain with its 95% Wilson interval, the paired
 difference with the base (bootstrap interval), and the retention (merged − base) / (expert − base)
 of each domain's expert gain. Every merge leaves the tensors --keep-base-tensors names at the
-base, as the coordinator's plan does (default: its default, the token embedding and the output
-head); with --compare-keep-base each spec is also merged over every tensor (its name followed by
-"·all"), so the two are compared on the same deltas and tasks. Each expert is scored on every
+base, as the coordinator's plan does (default: its default, none); with --compare-keep-base each
+spec is also merged over every tensor (its name followed by "·all"), so the two are compared on
+the same deltas and tasks. Each expert is scored on every
 domain, which shows what a delta alone costs the others. Writes `sweep.json` into --out;
 `--reuse` merges the deltas a previous run left there instead of training again.
 
@@ -116,6 +116,8 @@ def main() -> int:
         from skillswarm.node.bootstrap import embedded_base
 
         args.base = embedded_base()
+    if args.compare_keep_base and not args.keep_base_tensors:
+        parser.error("--compare-keep-base needs --keep-base-tensors to name the tensors kept")
     names = list(SWEEP) if args.only is None else [n.strip() for n in args.only.split(",")]
     unknown = [n for n in names if n not in SWEEP]
     if unknown:
@@ -175,7 +177,7 @@ def main() -> int:
         )
 
     runs = [(name, SWEEP[name], False) for name in names]
-    if args.compare_keep_base and args.keep_base_tensors:
+    if args.compare_keep_base:
         runs += [(f"{name}·all", SWEEP[name], True) for name in names]
     for label, spec, every_tensor in runs:
         experts = [vector(d, r, every_tensor) for d, r in readers.items()]

@@ -161,9 +161,6 @@ class PublishPolicy(BaseModel):
 
 MAX_DOMAIN_WEIGHT = 2.0
 MAX_WEIGHTED_DOMAINS = 5
-# Tensors every domain shares through the vocabulary: the token embedding (tied to the output
-# head in the embedded base) and an untied output head.
-DEFAULT_KEEP_BASE_TENSORS = ("*embed_tokens.weight", "lm_head.weight")
 MAX_KEEP_BASE_PATTERNS = 16
 MAX_KEEP_BASE_PATTERN_CHARS = 200
 
@@ -187,8 +184,7 @@ class MergePlan(MergeSpec):
     either way.
     After it, a merge the publication rule holds is tried again without each delta in turn: one
     domain's delta often lowers another domain, and the others' gains need not wait a round.
-    Every merge leaves the tensors `keep_base_tensors` names (the token embedding and output
-    head, which every domain reads) at the base's weights.
+    With `keep_base_tensors`, every merge leaves the tensors it names at the base's weights.
     """
 
     candidates: list[MergeSpec] = Field(default_factory=_default_candidates)
@@ -217,14 +213,14 @@ class MergePlan(MergeSpec):
         "domains, len^d − len candidates more (d ≤ 5)",
     )
     keep_base_tensors: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_KEEP_BASE_TENSORS),
+        default_factory=list,
         max_length=MAX_KEEP_BASE_PATTERNS,
-        description="glob patterns (fnmatch) over tensor names: a tensor that matches one is "
-        "left out of every task vector, so each merge, candidates and subsets included, keeps "
-        "the base's weights there. The default keeps the token embedding and the output head, "
-        "which every domain shares: on the embedded base, math's RL delta there took 4 to 10 "
-        "points off code when merged and its own domain needed little of it "
-        "(docs/merging.md, 'Tensors kept at the base'); [] merges every tensor",
+        description="glob patterns (fnmatch) over tensor names, e.g. ['*embed_tokens.weight', "
+        "'lm_head.weight']: a tensor that matches one is left out of every task vector, so "
+        "each merge, candidates and subsets included, keeps the base's weights there. [] (the "
+        "default) merges every tensor. Keeping the token embedding spared code the rounds "
+        "where math's delta wrecked it, but through the swarm bench it ended no better "
+        "(docs/merging.md, 'Tensors kept at the base')",
     )
     subsets_on_hold: bool = Field(
         default=True,

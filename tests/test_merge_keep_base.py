@@ -19,16 +19,17 @@ from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.identity import load_or_create_identity
 
 EMBEDDING = "model.embed_tokens.weight"
+VOCABULARY = ("*embed_tokens.weight", "lm_head.weight")
 
 
-def test_the_default_keeps_the_shared_vocabulary_tensors_and_patterns_are_bounded():
-    plan = MergePlan()
+def test_patterns_name_the_tensors_kept_and_are_bounded():
+    plan = MergePlan(keep_base_tensors=list(VOCABULARY))
     assert plan.keeps_base(EMBEDDING) and plan.keeps_base("lm_head.weight")
     assert not plan.keeps_base("model.layers.0.mlp.up_proj.weight")
     assert not plan.keeps_base("model.norm.weight")
-    # A plan naming its own method still keeps them; [] merges every tensor.
-    assert MergePlan(method="linear").keeps_base(EMBEDDING)
-    assert not MergePlan(keep_base_tensors=[]).keeps_base(EMBEDDING)
+    # The default merges every tensor; a plan naming its own method keeps what it lists.
+    assert MergePlan().keep_base_tensors == [] and not MergePlan().keeps_base(EMBEDDING)
+    assert MergePlan(method="linear", keep_base_tensors=list(VOCABULARY)).keeps_base(EMBEDDING)
     assert MergePlan(keep_base_tensors=["*.norm.weight"]).keeps_base("model.norm.weight")
     with pytest.raises(ValidationError, match="keep_base_tensors"):
         MergePlan(keep_base_tensors=[""])
@@ -38,7 +39,7 @@ def test_the_default_keeps_the_shared_vocabulary_tensors_and_patterns_are_bounde
         MergePlan(keep_base_tensors=["a"] * 17)
 
 
-@pytest.mark.parametrize("keep", [None, []])
+@pytest.mark.parametrize("keep", [list(VOCABULARY), []])
 def test_a_merge_leaves_the_kept_tensors_at_the_base_and_sums_the_rest(tmp_path, tiny_base, keep):
     """Two deltas merged by task arithmetic at λ 1 (one spec, published): every tensor is the
     base plus both deltas, except those the plan keeps, which are the base's bit for bit."""
@@ -48,8 +49,7 @@ def test_a_merge_leaves_the_kept_tensors_at_the_base_and_sums_the_rest(tmp_path,
     blobs = BlobStore(tmp_path / "blobs")
     tuned = {domain: noisy(base, seed=i, scale=1e-3) for i, domain in enumerate(("math", "code"))}
     experts = expert_inputs(base, tuned, blobs, key)
-    fields = {} if keep is None else {"keep_base_tensors": keep}
-    plan = MergePlan(method="task_arithmetic", parameters={"weight": 1.0}, **fields)
+    plan = MergePlan(method="task_arithmetic", parameters={"weight": 1.0}, keep_base_tensors=keep)
     verdict = merge_and_decide(
         plan,
         Evaluator(EvalConfig(domains=["math"], n_tasks=2)),

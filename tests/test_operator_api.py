@@ -166,7 +166,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
         "domain_weights": [],  # a spec the operator sets merges as it says
         "own_domain_gate": True,
         "own_domain_gate_alpha": 0.05,
-        "keep_base_tensors": ["*embed_tokens.weight", "lm_head.weight"],
+        "keep_base_tensors": [],
         "subsets_on_hold": True,
     }
     assert response.json() == plan
@@ -197,7 +197,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
         "domain_weights": [],
         "own_domain_gate": True,
         "own_domain_gate_alpha": 0.05,
-        "keep_base_tensors": ["*embed_tokens.weight", "lm_head.weight"],
+        "keep_base_tensors": [],
         "subsets_on_hold": True,
     }
 

@@ -125,14 +125,12 @@ def test_the_gate_with_a_level_leaves_out_only_a_delta_below_the_base_beyond_noi
 
 
 def _degraded(base_dir: Path, out: Path, scale: float = 0.5, seed: int = 0) -> Path:
-    """A copy of `base_dir` with Gaussian noise of `scale` × each tensor's RMS on its weights,
-    except those a default merge keeps at the base (a delta's change there is never merged)."""
+    """A copy of `base_dir` with Gaussian noise of `scale` × each tensor's RMS on its weights."""
     shutil.copytree(base_dir, out)
     tensors = load_file(out / "model.safetensors")
     generator = torch.Generator().manual_seed(seed)
-    plan = MergePlan()
     for name, tensor in tensors.items():
-        if tensor.is_floating_point() and tensor.ndim == 2 and not plan.keeps_base(name):
+        if tensor.is_floating_point() and tensor.ndim == 2:
             rms = tensor.float().pow(2).mean().sqrt()
             noise = torch.randn(tensor.shape, generator=generator) * rms * scale
             tensors[name] = (tensor.float() + noise).to(tensor.dtype)
@@ -286,8 +284,7 @@ def test_a_held_merge_is_tried_again_without_each_delta_and_the_passing_subset_p
 ):
     """Two deltas, the gate off: one harmless, one that wrecks math. Their merge is held; merged
     again without each in turn, the harmless one alone passes and is published, its tensors the
-    base plus the outer step on its delta at the chosen spec's weight (the embedding, which the
-    plan keeps at the base, unchanged). With subsets_on_hold off
+    base plus the outer step on its delta at the chosen spec's weight. With subsets_on_hold off
     the round is held."""
     wrecked = _degraded(tiny_base, tmp_path / "wrecked", scale=0.9)
     harmless_key = load_or_create_identity(tmp_path / "harmless.key")
@@ -318,13 +315,8 @@ def test_a_held_merge_is_tried_again_without_each_delta_and_the_passing_subset_p
         merged = current_base_tensors(coordinator)
         momentum = load_state(coordinator.rounds.outer.state_dir, published["checkpoint_id"])
         assert momentum is not None
-        plan = coordinator.config.merge
-        assert any(plan.keeps_base(name) for name in base)  # the tied embedding
         for name, tensor in base.items():
-            # A tensor the plan keeps at the base is left out of the task vector: g = 0 there.
             g = weight * (tuned[name] - tensor)
-            if plan.keeps_base(name):
-                g = torch.zeros_like(tensor)
             assert torch.allclose(merged[name], tensor + 1.5 * g, atol=1e-6), name
             assert torch.allclose(momentum[name], g, atol=1e-6), name
     finally:
