@@ -8,9 +8,9 @@ difference with the base (bootstrap interval), and the retention (merged − bas
 of each domain's expert gain. Every merge leaves the tensors --keep-base-tensors names at the
 base, as the coordinator's plan does (default: its default, none); with --compare-keep-base each
 spec is also merged over every tensor (its name followed by "·all"), so the two are compared on
-the same deltas and tasks. Each expert is scored on every
-domain, which shows what a delta alone costs the others. Writes `sweep.json` into --out;
-`--reuse` merges the deltas a previous run left there instead of training again.
+the same deltas and tasks. Each expert is scored on every domain, which shows what a delta
+alone costs the others. Writes `sweep.json` into --out; `--reuse` merges the deltas a previous
+run left there instead of training again.
 
 Run: `python bench/bench_merge_sweep.py [--rounds-worth 1 | --swarm-steps] [--eval-tasks 128]
 [--eval-seed 0] [--seed 0] [--base DIR] [--out runs/bench-merge-sweep] [--reuse]
@@ -30,6 +30,7 @@ from typing import Any
 from skillswarm.agent.evaluate import evaluate_checkpoint
 from skillswarm.agent.model import load_policy, set_torch_threads
 from skillswarm.agent.stats import paired_difference
+from skillswarm.coordinator.candidates import kept_at_base
 from skillswarm.coordinator.config import MergePlan
 from skillswarm.coordinator.evaluation import scores_row
 from skillswarm.coordinator.gates import write_expert_checkpoint
@@ -168,19 +169,13 @@ def main() -> int:
         results[f"expert:{domain}"] = score(folder, DOMAINS, args.eval_tasks, args.eval_seed)
     plan = MergePlan(keep_base_tensors=args.keep_base_tensors)
 
-    def vector(domain: str, reader: DeltaReader, every_tensor: bool) -> TaskVector:
-        if every_tensor:
-            return TaskVector(name=domain, expert=reader.expert)
-        return TaskVector(
-            name=domain,
-            expert=lambda key, base: None if plan.keeps_base(key) else reader.expert(key, base),
-        )
-
     runs = [(name, SWEEP[name], False) for name in names]
     if args.compare_keep_base:
         runs += [(f"{name}·all", SWEEP[name], True) for name in names]
     for label, spec, every_tensor in runs:
-        experts = [vector(d, r, every_tensor) for d, r in readers.items()]
+        experts = [TaskVector(name=d, expert=r.expert) for d, r in readers.items()]
+        if not every_tensor:
+            experts = [kept_at_base(plan, v) for v in experts]
         folder = merge_checkpoint(args.base, experts, work / label, spec)
         results[label] = score(folder, DOMAINS, args.eval_tasks, args.eval_seed)
         cells = "".join(f"{cell(results[label][d]):>24}" for d in DOMAINS)

@@ -25,6 +25,7 @@ __all__ = [
     "Verdict",
     "candidate_validation",
     "gate_by_own_domain",
+    "kept_at_base",
     "mean_score",
     "merge_and_decide",
     "merge_candidates",
@@ -153,8 +154,11 @@ def merge_and_decide(
     subset that passes is the verdict; if none passes, the same from the best-scoring subset,
     until one delta is left. With no subset passing, the verdict is the full merge's hold."""
     experts = list(merging)
-    task_vector = _kept_at_base(plan, task_vector)
-    vectors = [task_vector(e) for e in experts]
+
+    def vector_of(expert: ExpertInput) -> TaskVector:
+        return kept_at_base(plan, task_vector(expert))
+
+    vectors = [vector_of(e) for e in experts]
     specs = [
         *plan.specs(),
         *plan.domain_weight_specs(
@@ -177,7 +181,7 @@ def merge_and_decide(
             subset = current[:index] + current[index + 1 :]
             folder = work / f"subset-{len(held.subsets)}"
             merged_dir = merge_checkpoint(
-                base_dir, [task_vector(e) for e in subset], folder / "candidate", merged.spec
+                base_dir, [vector_of(e) for e in subset], folder / "candidate", merged.spec
             )
             stepped = outer.step(base_id, base_dir, merged_dir, folder / "stepped", number)
             scores = evaluator.validation_scores(stepped)
@@ -210,23 +214,16 @@ def merge_and_decide(
     return held
 
 
-def _kept_at_base(
-    plan: MergePlan, task_vector: Callable[[ExpertInput], TaskVector]
-) -> Callable[[ExpertInput], TaskVector]:
-    """`task_vector` with the tensors plan.keep_base_tensors names left unchanged (the getter
-    answers None there, which a merge takes as the base's tensor)."""
+def kept_at_base(plan: MergePlan, vector: TaskVector) -> TaskVector:
+    """`vector` with the tensors plan.keep_base_tensors names left unchanged (its getter answers
+    None there, which a merge takes as the base's tensor); `vector` itself when it names none."""
     if not plan.keep_base_tensors:
-        return task_vector
+        return vector
 
-    def vector(expert: ExpertInput) -> TaskVector:
-        full = task_vector(expert)
+    def tensor(name: str, base: torch.Tensor) -> torch.Tensor | None:
+        return None if plan.keeps_base(name) else vector.expert(name, base)
 
-        def tensor(name: str, base: torch.Tensor) -> torch.Tensor | None:
-            return None if plan.keeps_base(name) else full.expert(name, base)
-
-        return TaskVector(name=full.name, expert=tensor)
-
-    return vector
+    return TaskVector(name=vector.name, expert=tensor)
 
 
 @dataclass
