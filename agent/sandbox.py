@@ -353,6 +353,16 @@ def _kill_group_and_reap(process: subprocess.Popen[bytes]) -> int:
     return process.wait()
 
 
+def _as_signal_death(returncode: int, isolation: Isolation) -> int:
+    """bubblewrap reports a child that a signal ended as exit status 128 + the signal's number
+    (the shell's convention); turn that back into the negative code `subprocess` gives, so a
+    CPU limit's SIGXCPU reads the same under every isolation. A script's own `sys.exit(128 + n)`
+    reads as signal n under bubblewrap: the convention cannot tell the two apart."""
+    if isolation is Isolation.BUBBLEWRAP and 128 < returncode < 128 + signal.NSIG:
+        return -(returncode - 128)
+    return returncode
+
+
 def _supervise(
     specs: Sequence[_ChildSpec],
     limits: SandboxLimits,
@@ -415,7 +425,9 @@ def _supervise(
 
         started = time.monotonic()
         timed_out = _pump(selector, started + limits.wall_timeout_s, primary, primary_pipes)
-        returncodes = [_kill_group_and_reap(process) for process in processes]
+        returncodes = [
+            _as_signal_death(_kill_group_and_reap(process), isolation) for process in processes
+        ]
         _pump(selector, time.monotonic() + _DRAIN_AFTER_KILL_S, None, set())
         children = [
             _ChildOutcome(code, buffers[process.stdout], buffers[process.stderr])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import socket
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -11,8 +12,10 @@ from pathlib import Path
 
 import pytest
 from skillswarm.agent.sandbox import (
+    Isolation,
     SandboxConfigError,
     SandboxLimits,
+    _as_signal_death,
     run_python,
     run_test_groups_in_sandbox,
     run_tests_in_sandbox,
@@ -61,6 +64,26 @@ def test_infinite_loop_is_stopped_by_the_time_limits() -> None:
     assert result.killed_reason is not None
     assert result.timed_out or "CPU" in result.killed_reason
     assert_still_works()
+
+
+def test_cpu_limit_reached_before_the_wall_limit_reads_as_sigxcpu() -> None:
+    result = run_python("while True:\n    pass", wall_timeout_s=20.0, cpu_seconds=1)
+    assert not result.timed_out
+    assert result.returncode == -signal.SIGXCPU
+    assert result.killed_reason == "CPU time limit of 1 s exceeded"
+    assert result.duration_s < 10
+
+
+def test_bubblewraps_128_plus_signal_status_is_read_as_that_signal() -> None:
+    assert _as_signal_death(128 + signal.SIGXCPU, Isolation.BUBBLEWRAP) == -signal.SIGXCPU
+    assert _as_signal_death(128 + signal.SIGKILL, Isolation.BUBBLEWRAP) == -signal.SIGKILL
+    assert _as_signal_death(3, Isolation.BUBBLEWRAP) == 3
+    assert _as_signal_death(128, Isolation.BUBBLEWRAP) == 128
+    assert _as_signal_death(255, Isolation.BUBBLEWRAP) == 255
+    assert _as_signal_death(-9, Isolation.BUBBLEWRAP) == -9
+    # Without bubblewrap in between, the child's own status is exact.
+    assert _as_signal_death(152, Isolation.NAMESPACES) == 152
+    assert _as_signal_death(152, Isolation.AUDIT_HOOK) == 152
 
 
 def test_fork_bomb_and_process_creation_are_refused() -> None:
