@@ -354,10 +354,8 @@ def _kill_group_and_reap(process: subprocess.Popen[bytes]) -> int:
 
 
 def _as_signal_death(returncode: int, isolation: Isolation) -> int:
-    """bubblewrap reports a child that a signal ended as exit status 128 + the signal's number
-    (the shell's convention); turn that back into the negative code `subprocess` gives, so a
-    CPU limit's SIGXCPU reads the same under every isolation. A script's own `sys.exit(128 + n)`
-    reads as signal n under bubblewrap: the convention cannot tell the two apart."""
+    """bubblewrap exits 128 + n when signal n ended its child: read that as `subprocess` would
+    (-n), so SIGXCPU reads the same under every isolation (a script's `sys.exit(128 + n)` too)."""
     if isolation is Isolation.BUBBLEWRAP and 128 < returncode < 128 + signal.NSIG:
         return -(returncode - 128)
     return returncode

@@ -414,7 +414,14 @@ class Bench:
                 f"{'passes' if subset['publish'] else 'held'} (validation mean reward "
                 f"{subset['score']:.3f})"
             )
-        table = self.evaluator.evaluation_table(base_id, base_dir, inputs, candidate_dir, work)
+        table = self.evaluator.evaluation_table(
+            base_id,
+            base_dir,
+            inputs,
+            candidate_dir,
+            work,
+            keep_base=self.config.merge.keep_base_tensors,
+        )
         self.decisions.append(
             {
                 "round": number,

@@ -59,7 +59,12 @@ def gate_by_own_domain(
     if not plan.own_domain_gate:
         return list(experts), []
     gate = evaluator.own_domain_gate(
-        base_id, base_dir, experts, work, alpha=plan.own_domain_gate_alpha
+        base_id,
+        base_dir,
+        experts,
+        work,
+        alpha=plan.own_domain_gate_alpha,
+        keep_base=plan.keep_base_tensors,
     )
     left_out = [entry["label"] for entry in gate if not entry["kept"]]
     if left_out:

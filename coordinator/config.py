@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -169,6 +169,11 @@ def _default_candidates() -> list[MergeSpec]:
     return [MergeSpec(method="task_arithmetic", parameters={"weight": 0.5})]
 
 
+def matches_any(tensor: str, patterns: Sequence[str]) -> bool:
+    """Whether the tensor name `tensor` matches one of the glob `patterns` (case-sensitive)."""
+    return any(fnmatch.fnmatchcase(tensor, p) for p in patterns)
+
+
 class MergePlan(MergeSpec):
     """The merge to run, and alternatives tried beside it on the validation tasks.
 
@@ -251,7 +256,7 @@ class MergePlan(MergeSpec):
 
     def keeps_base(self, tensor: str) -> bool:
         """Whether the merge leaves `tensor` at the base's weights (keep_base_tensors)."""
-        return any(fnmatch.fnmatchcase(tensor, p) for p in self.keep_base_tensors)
+        return matches_any(tensor, self.keep_base_tensors)
 
     @field_validator("domain_weights")
     @classmethod

@@ -117,10 +117,12 @@ class Evaluator:
         experts: Sequence[ExpertInput],
         work: Path,
         alpha: float = 0.0,
+        keep_base: Sequence[str] = (),
     ) -> list[dict[str, Any]]:
-        """For each expert (its delta applied alone), its own domain's mean reward on the
-        validation tasks beside the base's, and whether it is kept (`gate_verdict` at `alpha`).
-        An expert of a domain that is not evaluated is kept unscored."""
+        """For each expert (its delta applied alone, the tensors `keep_base` names left at the
+        base as the merge leaves them), its own domain's mean reward on the validation tasks
+        beside the base's, and whether it is kept (`gate_verdict` at `alpha`). An expert of a
+        domain that is not evaluated is kept unscored."""
         config = self.eval_config
         seed = config.validation_tasks_seed()
         gate: list[dict[str, Any]] = []
@@ -130,7 +132,7 @@ class Evaluator:
                 gate.append(entry | {"kept": True, "base": None, "expert": None})
                 continue
             base = self.scores(base_dir, [expert.domain], config.n_tasks, seed, cache_as=base_id)
-            folder = expert_folder(base_dir, expert, work)
+            folder = expert_folder(base_dir, expert, work, keep_base)
             alone = self.scores(folder, [expert.domain], config.n_tasks, seed)
             base_reward = mean_reward(base[expert.domain])
             expert_reward = mean_reward(alone[expert.domain])
@@ -153,10 +155,12 @@ class Evaluator:
         experts: Sequence[ExpertInput],
         merged_dir: Path,
         work: Path,
+        keep_base: Sequence[str] = (),
     ) -> dict[str, Any]:
-        """Held-out scores of the base, each expert (its delta applied alone; on every domain,
-        its own or none, as eval.experts says) and the merged candidate, all on the same tasks
-        through the same rollout engine."""
+        """Held-out scores of the base, each expert (its delta applied alone, the tensors
+        `keep_base` names left at the base as the merge leaves them; on every domain, its own or
+        none, as eval.experts says) and the merged candidate, all on the same tasks through the
+        same rollout engine."""
         config = self.eval_config
         domains, n_tasks, seed = config.domains, config.n_tasks, config.seed
         table: dict[str, Any] = {
@@ -167,23 +171,27 @@ class Evaluator:
             scored = [d for d in scored if d in domains]
             if not scored:
                 continue
-            folder = expert_folder(base_dir, expert, work)
+            folder = expert_folder(base_dir, expert, work, keep_base)
             table[expert.label] = self.scores(folder, scored, n_tasks, seed)
         table["merged"] = self.scores(merged_dir, domains, n_tasks, seed)
         return table
 
 
-def expert_folder(base_dir: Path, expert: ExpertInput, work: Path) -> Path:
-    """base + `expert`'s delta as a checkpoint folder under `work`, written on the first ask and
-    reused after it (the own-domain gate and the evaluation table score the same expert); the
-    round's work folder is removed when the round ends. A folder appears whole or not at all."""
-    name = hashlib.sha256(f"{base_dir.resolve()}\n{expert.label}".encode()).hexdigest()[:16]
+def expert_folder(
+    base_dir: Path, expert: ExpertInput, work: Path, keep_base: Sequence[str] = ()
+) -> Path:
+    """base + `expert`'s delta (but the tensors `keep_base` names) as a checkpoint folder under
+    `work`, written on the first ask and reused after it (the own-domain gate and the evaluation
+    table score the same expert); the round's work folder is removed when the round ends. A
+    folder appears whole or not at all."""
+    key = "\n".join([str(base_dir.resolve()), expert.label, *keep_base])
+    name = hashlib.sha256(key.encode()).hexdigest()[:16]
     folder = work / "experts" / name
     if folder.is_dir():
         return folder
     partial = work / "experts" / f"{name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    write_expert_checkpoint(base_dir, expert.reader, partial)
+    write_expert_checkpoint(base_dir, expert.reader, partial, keep_base)
     partial.rename(folder)
     return folder
 

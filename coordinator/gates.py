@@ -5,12 +5,12 @@ Each refusal is a `DeltaRejected`: its message is the reason on record, its `kin
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from skillswarm.coordinator.config import GateConfig
+from skillswarm.coordinator.config import GateConfig, matches_any
 from skillswarm.merge.streaming import write_checkpoint
 from skillswarm.merge.tensors import CheckpointTensors
 from skillswarm.protocol.delta import DTYPE_NAMES, DeltaReader
@@ -119,11 +119,17 @@ def check_values(reader: DeltaReader, base: CheckpointTensors, gates: GateConfig
     return NormReport(max_relative_norm=worst, tensor=worst_name, tensors_changed=len(names))
 
 
-def write_expert_checkpoint(base_dir: Path, reader: DeltaReader, out_dir: Path) -> Path:
-    """Write base + Δ (the node's weights, bit-exact) as a Hugging Face folder at `out_dir`."""
+def write_expert_checkpoint(
+    base_dir: Path, reader: DeltaReader, out_dir: Path, keep_base: Sequence[str] = ()
+) -> Path:
+    """Write base + Δ (the node's weights, bit-exact) as a Hugging Face folder at `out_dir`;
+    the tensors whose names match a `keep_base` glob pattern stay the base's, as a merge with
+    that plan's keep_base_tensors leaves them."""
 
     def expert(name: str, base_tensor: torch.Tensor) -> torch.Tensor | None:
-        return reader.expert(name, base_tensor) if base_tensor.is_floating_point() else None
+        if not base_tensor.is_floating_point() or matches_any(name, keep_base):
+            return None
+        return reader.expert(name, base_tensor)
 
     return write_checkpoint(base_dir, out_dir, expert)
 

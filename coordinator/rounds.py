@@ -369,7 +369,12 @@ class Rounds:
             )
             chosen, decision = verdict.merged.spec, verdict.decision
             evaluation = self.evaluator.evaluation_table(
-                base.id, base_dir, expert_inputs, verdict.candidate_dir, work
+                base.id,
+                base_dir,
+                expert_inputs,
+                verdict.candidate_dir,
+                work,
+                keep_base=plan.keep_base_tensors,
             )
             extra = {
                 "inputs": [d.id for d in accepted],

@@ -152,6 +152,21 @@ def test_expert_checkpoint_is_base_plus_delta_bit_for_bit(tmp_path: Path, tiny_b
     other = ExpertInput("expert:math:def", "math", DeltaReader(manifest, store))
     assert expert_folder(tiny_base, other, work) != folder
 
+    # With tensors kept at the base, the expert is scored as the merge would apply it: those
+    # tensors are the base's, every other one the node's, in a folder of its own.
+    kept = ["*embed_tokens.weight", "model.norm.weight"]
+    partly = expert_folder(tiny_base, expert, work, kept)
+    assert partly != folder
+    changed = 0
+    for name, tensor in iter_base_tensors(partly):
+        if name in ("model.embed_tokens.weight", "model.norm.weight"):
+            assert torch.equal(tensor, base[name]), name
+        else:
+            assert torch.equal(tensor, written[name]), name
+            changed += not torch.equal(tensor, base[name])
+    assert changed > 0
+    assert not torch.equal(written["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+
 
 # -- the gates in the coordinator ----------------------------------------------------------------
 

@@ -8,9 +8,9 @@ import torch
 from delta_helpers import expert_inputs, noisy
 from pydantic import ValidationError
 from safetensors.torch import load_file
-from skillswarm.coordinator.candidates import merge_and_decide
+from skillswarm.coordinator.candidates import gate_by_own_domain, merge_and_decide
 from skillswarm.coordinator.config import EvalConfig, MergePlan
-from skillswarm.coordinator.evaluation import Evaluator
+from skillswarm.coordinator.evaluation import Evaluator, expert_folder
 from skillswarm.coordinator.publication import Decision
 from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
 from skillswarm.merge.streaming import TaskVector
@@ -72,3 +72,26 @@ def test_a_merge_leaves_the_kept_tensors_at_the_base_and_sums_the_rest(tmp_path,
             summed = tensor + (tuned["math"][name] - tensor) + (tuned["code"][name] - tensor)
             assert torch.allclose(merged[name], summed, atol=1e-6), name
             assert not torch.equal(merged[name], tensor), name
+
+
+def test_the_own_domain_gate_scores_a_delta_as_the_merge_applies_it(tmp_path, tiny_base):
+    """The gate judges what the merge would add: the expert it scores holds the base's
+    embedding where the plan keeps it, and the node's weights everywhere else."""
+    key = load_or_create_identity(tmp_path / "node.key")
+    base = dict(iter_base_tensors(tiny_base))
+    blobs = BlobStore(tmp_path / "blobs")
+    tuned = {"math": noisy(base, seed=5, scale=1e-3)}
+    experts = expert_inputs(base, tuned, blobs, key)
+    work = tmp_path / "work"
+    plan = MergePlan(keep_base_tensors=list(VOCABULARY))
+    evaluator = Evaluator(EvalConfig(domains=["math"], n_tasks=2))
+    merging, gate = gate_by_own_domain(plan, evaluator, "b" * 64, tiny_base, experts, work)
+    assert [entry["domain"] for entry in gate] == ["math"]
+    assert gate[0]["expert"] is not None and gate[0]["base"] is not None
+    assert merging == experts[: len(merging)]
+    scored = list((work / "experts").iterdir())
+    assert scored == [expert_folder(tiny_base, experts[0], work, plan.keep_base_tensors)]
+    weights = load_file(scored[0] / "model.safetensors")
+    assert torch.equal(weights[EMBEDDING], base[EMBEDDING])
+    moved = [name for name in base if not torch.equal(weights[name], base[name])]
+    assert moved and EMBEDDING not in moved
