@@ -14,7 +14,8 @@ run left there instead of training again.
 
 Run: `python bench/bench_merge_sweep.py [--rounds-worth 1 | --swarm-steps] [--eval-tasks 128]
 [--eval-seed 0] [--seed 0] [--base DIR] [--out runs/bench-merge-sweep] [--reuse]
-[--only linear,ties-sum,…] [--keep-base-tensors P,…|none] [--compare-keep-base]`.
+[--only linear,ties-sum,…] [--keep-base-tensors P,…|none] [--compare-keep-base]
+[--weighted DOMAIN=W,… …]`. `--weighted search=2` merges search's delta alone at twice its size.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from bench_swarm import (  # noqa: E402 (the bench folder is no package)
     DOMAINS,
     folder_id,
     parse_keep_base,
+    parse_weights,
     train_steps,
 )
 
@@ -106,6 +108,15 @@ def main() -> int:
         metavar="PATTERN,…|none",
         help="tensors every merge leaves at the base (the coordinator's keep_base_tensors; "
         "default %(default)s)",
+    )
+    parser.add_argument(
+        "--weighted",
+        type=parse_weights("--weighted"),
+        action="append",
+        default=[],
+        metavar="DOMAIN=W,…",
+        help="also merge the named domains' deltas (only those) by task arithmetic at these "
+        "weights, e.g. search=2 or math=0.5,code=1,search=1 (repeatable)",
     )
     parser.add_argument(
         "--compare-keep-base",
@@ -169,18 +180,22 @@ def main() -> int:
         results[f"expert:{domain}"] = score(folder, DOMAINS, args.eval_tasks, args.eval_seed)
     plan = MergePlan(keep_base_tensors=args.keep_base_tensors)
 
-    runs = [(name, SWEEP[name], False) for name in names]
+    runs = [(name, SWEEP[name], False, DOMAINS) for name in names]
     if args.compare_keep_base:
-        runs += [(f"{name}·all", SWEEP[name], True) for name in names]
-    for label, spec, every_tensor in runs:
-        experts = [TaskVector(name=d, expert=r.expert) for d, r in readers.items()]
+        runs += [(f"{name}·all", SWEEP[name], True, DOMAINS) for name in names]
+    for weights in args.weighted:
+        label = "weighted:" + ",".join(f"{d}={w:g}" for d, w in weights.items())
+        spec = MergeSpec(method="task_arithmetic", parameters={"weight": weights})
+        runs.append((label, spec, False, tuple(weights)))
+    for label, spec, every_tensor, merged in runs:
+        experts = [TaskVector(name=d, expert=readers[d].expert) for d in merged]
         if not every_tensor:
             experts = [kept_at_base(plan, v) for v in experts]
         folder = merge_checkpoint(args.base, experts, work / label, spec)
         results[label] = score(folder, DOMAINS, args.eval_tasks, args.eval_seed)
         cells = "".join(f"{cell(results[label][d]):>24}" for d in DOMAINS)
         print(f"{label:<22}{cells}", flush=True)
-    names = [label for label, _, _ in runs]
+    names = [label for label, _, _, _ in runs]
     base = results["base"]
     table: dict[str, Any] = {}
     print(f"\ngreedy held-out success on {args.eval_tasks} tasks per domain (95% Wilson)")
@@ -213,7 +228,7 @@ def main() -> int:
         json.dumps(
             {
                 "settings": {k: str(v) for k, v in vars(args).items()},
-                "specs": {label: spec.model_dump() for label, spec, _ in runs},
+                "specs": {label: spec.model_dump() for label, spec, _, _ in runs},
                 "keep_base_tensors": args.keep_base_tensors,
                 "scores": compact,
                 "versus_base": table,

@@ -48,6 +48,7 @@ from skillswarm.protocol.blobwire import (
 )
 from skillswarm.protocol.identity import peer_id_of
 from skillswarm.protocol.partial import PartialDownload
+from skillswarm.protocol.streams import close_quietly, reset_quietly, write_and_close
 
 __all__ = [
     "BLOB_PROTOCOL_ID",
@@ -76,6 +77,7 @@ BLOB_CHUNK_BYTES = 1 << 20
 BLOB_REQUEST_READ_TIMEOUT_S = 30.0
 BLOB_WRITE_STALL_TIMEOUT_S = 60.0
 BLOB_OPEN_TIMEOUT_S = 30.0  # for opening a blob stream and negotiating its protocol
+BLOB_STREAM = "blob stream"  # what the stream helpers call one in their log lines
 
 
 # libp2p gossipsub drops any RPC frame over 1 MiB (an inbound one is refused before it is read);
@@ -660,8 +662,8 @@ class SwarmHost:
         remote = stream.muxed_conn.peer_id.to_base58()
         if self._active_streams[remote] >= self.max_streams_per_peer:
             logger.warning("refused a blob stream from %s: too many concurrent streams", remote)
-            await _answer_and_close(
-                stream, blobwire.error_header("busy: too many concurrent streams")
+            await write_and_close(
+                stream, blobwire.error_header("busy: too many concurrent streams"), BLOB_STREAM
             )
             return
         self._active_streams[remote] += 1
@@ -669,10 +671,10 @@ class SwarmHost:
             await self._answer_blob_request(stream, remote)
         except BlobWireError as refusal:
             logger.info("refused a blob request from %s: %s", remote, refusal)
-            await _answer_and_close(stream, blobwire.error_header(str(refusal)))
+            await write_and_close(stream, blobwire.error_header(str(refusal)), BLOB_STREAM)
         except Exception as error:
             logger.info("blob stream from %s ended early: %r", remote, error)
-            await _reset_quietly(stream)
+            await reset_quietly(stream, BLOB_STREAM)
         finally:
             self._active_streams[remote] -= 1
             if self._active_streams[remote] <= 0:
@@ -919,42 +921,18 @@ class SwarmHost:
                 )
             await blobwire.receive_body(stream, wanted, partial.append, BLOB_CHUNK_BYTES)
         except BlobFetchError:
-            await _reset_quietly(stream)
+            await reset_quietly(stream, BLOB_STREAM)
             raise
         except Exception as error:
-            await _reset_quietly(stream)
+            await reset_quietly(stream, BLOB_STREAM)
             raise BlobFetchError(
                 f"transfer of blob {sha256} from {remote} failed: {error!r}; "
                 "the partial download is kept for resuming"
             ) from error
         except BaseException:  # cancelled (timeout or host stopping): tell the server at once
-            await _reset_quietly(stream)
+            await reset_quietly(stream, BLOB_STREAM)
             raise
-        await _close_quietly(stream)
-
-
-async def _answer_and_close(stream: INetStream, frame: bytes) -> None:
-    try:
-        await stream.write(frame)
-        await stream.close()
-    except Exception as error:
-        logger.debug("could not answer a blob stream: %r", error)
-        await _reset_quietly(stream)
-
-
-async def _close_quietly(stream: INetStream) -> None:
-    try:
-        await stream.close()
-    except Exception as error:
-        logger.debug("closing a blob stream failed: %r", error)
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1):
-        try:
-            await stream.reset()
-        except Exception as error:
-            logger.debug("resetting a blob stream failed: %r", error)
+        await close_quietly(stream, BLOB_STREAM)
 
 
 async def _close_connections(host: IHost) -> None:

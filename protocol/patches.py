@@ -18,6 +18,7 @@ from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoiseTransportReadWriter
+from skillswarm.protocol.streams import reset_quietly
 
 __all__ = [
     "NOISE_WRITE_STALL_TIMEOUT_S",
@@ -84,14 +85,6 @@ def apply_all() -> None:
     monkey_patch_noise_cancel_safe_write()
 
 
-async def _reset_quietly(stream: INetStream) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1):
-        try:
-            await stream.reset()
-        except Exception as error:
-            logger.debug("resetting a gossip stream failed: %r", error)
-
-
 class GuardedPubsub(Pubsub):
     """Pubsub with fixes for four bugs of libp2p==0.8.1, each covered by tests/test_host.py.
 
@@ -127,7 +120,7 @@ class GuardedPubsub(Pubsub):
             logger.warning(
                 "reset the gossip stream from %s after an unreadable RPC: %r", remote, error
             )
-            await _reset_quietly(stream)
+            await reset_quietly(stream, "gossip stream")
             self._handle_dead_peer(remote)
 
     async def write_msg(self, stream: INetStream, rpc_msg: rpc_pb2.RPC) -> bool:
