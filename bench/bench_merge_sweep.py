@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_swarm import (  # noqa: E402 (the bench folder is no package)
     DEFAULT_STEPS,
     DOMAINS,
+    add_keep_base_argument,
     folder_id,
-    parse_keep_base,
     parse_weights,
     train_steps,
 )
@@ -101,14 +101,7 @@ def main() -> int:
         help=f"train each expert the swarm bench's steps a round ({DEFAULT_STEPS}) instead of "
         "--rounds-worth recipe rounds",
     )
-    parser.add_argument(
-        "--keep-base-tensors",
-        type=parse_keep_base,
-        default=MergePlan().keep_base_tensors,
-        metavar="PATTERN,…|none",
-        help="tensors every merge leaves at the base (the coordinator's keep_base_tensors; "
-        "default %(default)s)",
-    )
+    add_keep_base_argument(parser)
     parser.add_argument(
         "--weighted",
         type=parse_weights("--weighted"),

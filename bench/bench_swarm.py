@@ -87,6 +87,19 @@ def parse_keep_base(text: str) -> list[str]:
     return patterns
 
 
+def add_keep_base_argument(parser: argparse.ArgumentParser) -> None:
+    """`--keep-base-tensors PATTERN,…|none`, the coordinator's keep_base_tensors (this bench's
+    and bench_merge_sweep's)."""
+    parser.add_argument(
+        "--keep-base-tensors",
+        type=parse_keep_base,
+        default=MergePlan().keep_base_tensors,
+        metavar="PATTERN,…|none",
+        help="tensors every merge leaves at the base's weights (the coordinator's "
+        "keep_base_tensors; 'none': merge every tensor; default %(default)s)",
+    )
+
+
 def parse_domain_weights(text: str) -> list[float]:
     """`0.5,1` → [0.5, 1.0]; `none` → [] (no weights per domain)."""
     if text.strip().lower() == "none":
@@ -668,14 +681,7 @@ def main() -> int:
         "each of these weights for each domain ('none': off; the coordinator's domain_weights; "
         "default %(default)s)",
     )
-    parser.add_argument(
-        "--keep-base-tensors",
-        type=parse_keep_base,
-        default=MergePlan().keep_base_tensors,
-        metavar="PATTERN,…|none",
-        help="tensors every merge leaves at the base's weights (the coordinator's "
-        "keep_base_tensors; 'none': merge every tensor; default %(default)s)",
-    )
+    add_keep_base_argument(parser)
     parser.add_argument(
         "--no-subsets",
         action="store_true",
