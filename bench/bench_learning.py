@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from skillswarm.agent.envs import get_environment, list_environments
 from skillswarm.agent.evaluate import EvalResult, evaluate_checkpoint
@@ -130,10 +131,12 @@ def train_for(
     eval_seed: int,
     max_steps: int | None = None,
     log_every: int = 10,
+    train_env: dict[str, Any] | None = None,
 ) -> DomainOutcome:
     """RL from `base` on `domain` with `config` (its `steps` ignored) until `seconds` of wall
     time are spent or `max_steps` steps are taken, with held-out success measured on the same
-    tasks before and after."""
+    tasks before and after. `train_env` are keyword arguments of the training episodes'
+    environment only; held-out tasks come from the environment's defaults."""
     model, tokenizer = load_policy(base)
     before = evaluate((model, tokenizer), domain, eval_tasks, eval_seed)
     sampled_before = evaluate((model, tokenizer), domain, eval_tasks, eval_seed, config.temperature)
@@ -158,7 +161,8 @@ def train_for(
             )
 
     budgeted = config.model_copy(update={"steps": max_steps or MAX_BUDGETED_STEPS})
-    run = AsyncRLRun(model, tokenizer, get_environment(domain), budgeted, on_step=on_step)
+    env = get_environment(domain, **(train_env or {}))
+    run = AsyncRLRun(model, tokenizer, env, budgeted, on_step=on_step)
     load_before = load_average()
     cpu_started = time.process_time()
     budget.start(run)
@@ -243,6 +247,21 @@ def _with_overrides(recipe: RLConfig, args: argparse.Namespace) -> RLConfig:
     return RLConfig.model_validate(settings)
 
 
+def parse_train_env(options: list[str]) -> dict[str, Any]:
+    """`--train-env NAME=VALUE` options → keyword arguments; a VALUE that parses as JSON is
+    that value (`hops=[2]`, `top_k=5`), any other is the string."""
+    kwargs: dict[str, Any] = {}
+    for option in options:
+        name, separator, value = option.partition("=")
+        if not separator or not name.strip().isidentifier():
+            raise ValueError(f"--train-env takes NAME=VALUE; got {option!r}")
+        try:
+            kwargs[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[name.strip()] = value
+    return kwargs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base", type=Path, help="a model folder (default: build the base)")
@@ -287,13 +306,25 @@ def main() -> int:
         help="set a LossConfig field in every domain's recipe (repeatable), e.g. "
         "--loss negative_advantage_weight=0 --loss aggregation=sequence_mean",
     )
+    parser.add_argument(
+        "--train-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a keyword argument of the training environment (repeatable; VALUE as JSON where "
+        "it parses), e.g. --train-env 'hops=[2]' to train search on two-hop questions only; "
+        "held-out tasks keep the environment's defaults",
+    )
     args = parser.parse_args()
     if args.eval_tasks < 1 or args.minutes <= 0 or (args.steps is not None and args.steps < 1):
         parser.error("--eval-tasks, --minutes and --steps must be positive")
     domains = [domain.strip() for domain in args.domains.split(",") if domain.strip()]
     try:
         recipes = {domain: _with_overrides(recipe_for(domain), args) for domain in domains}
-    except ValueError as error:  # pydantic's ValidationError names the bad setting
+        train_env = parse_train_env(args.train_env)
+        for domain in domains if train_env else ():
+            get_environment(domain, **train_env)  # a wrong argument fails before any training
+    except (ValueError, TypeError) as error:  # pydantic's ValidationError names the bad setting
         parser.error(str(error))
     set_torch_threads(1)
 
@@ -339,6 +370,7 @@ def main() -> int:
                 eval_tasks=args.eval_tasks,
                 eval_seed=args.eval_seed,
                 max_steps=args.steps,
+                train_env=train_env,
             )
         )
     print_table(outcomes, args.eval_tasks)
@@ -355,6 +387,7 @@ def main() -> int:
             "max_steps_per_domain": args.steps,
             "eval_tasks": args.eval_tasks,
             "eval_seed": args.eval_seed,
+            "train_env": train_env,
             "min_gain_points": args.min_gain,
             "recipes": {
                 domain: config.model_dump(mode="json") for domain, config in recipes.items()

@@ -9,8 +9,10 @@ of each domain's expert gain. Every merge leaves the tensors --keep-base-tensors
 base, as the coordinator's plan does (default: its default, none); with --compare-keep-base each
 spec is also merged over every tensor (its name followed by "·all"), so the two are compared on
 the same deltas and tasks. Each expert is scored on every domain, which shows what a delta
-alone costs the others. Writes `sweep.json` into --out; `--reuse` merges the deltas a previous
-run left there instead of training again.
+alone costs the others, with the kept tensors at the base as the merges apply it (and whole as
+`expert:D·all` with --compare-keep-base, the reference of the "·all" merges' retention). Writes
+`sweep.json` into --out; `--reuse` merges the deltas a previous run left there instead of
+training again.
 
 Run: `python bench/bench_merge_sweep.py [--rounds-worth 1 | --swarm-steps] [--eval-tasks 128]
 [--eval-seed 0] [--seed 0] [--base DIR] [--out runs/bench-merge-sweep] [--reuse]
@@ -168,9 +170,19 @@ def main() -> int:
     results: dict[str, dict[str, dict]] = {
         "base": score(args.base, DOMAINS, args.eval_tasks, args.eval_seed)
     }
+    # Each expert is scored as the merges apply it (the kept tensors at the base); with
+    # --compare-keep-base also whole, the reference for the merges of every tensor.
+    expert_kinds = [("", args.keep_base_tensors)]
+    if args.compare_keep_base:
+        expert_kinds.append(("·all", []))
     for domain, reader in readers.items():
-        folder = write_expert_checkpoint(args.base, reader, work / f"expert-{domain}")
-        results[f"expert:{domain}"] = score(folder, DOMAINS, args.eval_tasks, args.eval_seed)
+        for suffix, keep_base in expert_kinds:
+            folder = write_expert_checkpoint(
+                args.base, reader, work / f"expert-{domain}{suffix}", keep_base
+            )
+            results[f"expert:{domain}{suffix}"] = score(
+                folder, DOMAINS, args.eval_tasks, args.eval_seed
+            )
     plan = MergePlan(keep_base_tensors=args.keep_base_tensors)
 
     runs = [(name, SWEEP[name], False, DOMAINS) for name in names]
@@ -189,6 +201,7 @@ def main() -> int:
         cells = "".join(f"{cell(results[label][d]):>24}" for d in DOMAINS)
         print(f"{label:<22}{cells}", flush=True)
     names = [label for label, _, _, _ in runs]
+    expert_suffix = {label: "·all" if every_tensor else "" for label, _, every_tensor, _ in runs}
     base = results["base"]
     table: dict[str, Any] = {}
     print(f"\ngreedy held-out success on {args.eval_tasks} tasks per domain (95% Wilson)")
@@ -202,7 +215,8 @@ def main() -> int:
         line, entry = f"{name:<22}", {}
         for d in DOMAINS:
             diff = paired_difference(base[d]["successes"], results[name][d]["successes"])
-            gain = results[f"expert:{d}"][d]["success_rate"] - base[d]["success_rate"]
+            expert = results[f"expert:{d}{expert_suffix[name]}"]
+            gain = expert[d]["success_rate"] - base[d]["success_rate"]
             retention = diff.mean / gain if gain > 0 else None
             entry[d] = {**diff.to_dict(), "retention": retention}
             kept = f"{100 * retention:4.0f}%" if retention is not None else "  n/a"

@@ -18,9 +18,9 @@ swarm's retention (swarm − base) / (expert − base) and swarm − mixed. Writ
 per domain per round for every arm) and `results.json` into --out.
 
 Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=90,code=16,search=10]
-[--eval-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm] [--outer-lr 1]
-[--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer] [--guidance math=0.25,…]
-[--kl math=0.1,…] [--anchor math=1,…] [--domain-weights 0.5,1|none]
+[--eval-tasks 128] [--validation-tasks N] [--seed 0] [--base DIR] [--out runs/bench-swarm]
+[--outer-lr 1] [--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer]
+[--guidance math=0.25,…] [--kl math=0.1,…] [--anchor math=1,…] [--domain-weights 0.5,1|none]
 [--keep-base-tensors PATTERN,…|none]`.
 Without --base it uses the embedded base shipped in the package (`skillswarm bootstrap` rebuilds
 one). `--help` prints the step budget of each arm. Exits 1 when, after the last round, the
@@ -241,6 +241,7 @@ class Bench:
             eval=EvalConfig(
                 domains=list(DOMAINS),
                 n_tasks=args.eval_tasks,
+                validation_tasks=args.validation_tasks,
                 seed=args.eval_seed,
                 experts="own",
             ),
@@ -536,6 +537,7 @@ class Bench:
                 "rounds": self.args.rounds,
                 "steps": self.args.steps,
                 "eval_tasks": self.args.eval_tasks,
+                "validation_tasks": self.config.eval.validation_task_count(),
                 "eval_seed": self.args.eval_seed,
                 "seed": self.args.seed,
                 "merge": self.config.merge.model_dump(),
@@ -618,6 +620,13 @@ def main() -> int:
         "rounds × (sum of these) steps in all",
     )
     parser.add_argument("--eval-tasks", type=int, default=128, help="held-out tasks per domain")
+    parser.add_argument(
+        "--validation-tasks",
+        type=int,
+        default=None,
+        help="validation tasks per domain, which choose the merge and decide publication "
+        "(default: --eval-tasks)",
+    )
     parser.add_argument("--eval-seed", type=int, default=0, help="seed of the held-out tasks")
     parser.add_argument("--seed", type=int, default=0, help="seed of the training tasks")
     parser.add_argument("--min-gain", type=float, default=15.0, help="points the swarm must gain")
@@ -699,8 +708,8 @@ def main() -> int:
         "default, the merge published as it is)",
     )
     args = parser.parse_args()
-    if args.rounds < 1 or args.eval_tasks < 1:
-        parser.error("--rounds and --eval-tasks must be at least 1")
+    if args.rounds < 1 or args.eval_tasks < 1 or (args.validation_tasks or 1) < 1:
+        parser.error("--rounds, --eval-tasks and --validation-tasks must be at least 1")
     if args.base is None:
         from skillswarm.node.bootstrap import embedded_base
 

@@ -50,6 +50,12 @@ class EvalConfig(BaseModel):
         ge=1,
         description="held-out tasks per domain; every model of a round is scored on the same ones",
     )
+    validation_tasks: int | None = Field(
+        default=None,
+        ge=1,
+        description="validation tasks per domain (choosing among candidates, the own-domain "
+        "gate, the publication rule); default: n_tasks",
+    )
     experts: Literal["all", "own", "none"] = Field(
         default="all",
         description="score each delta applied alone on every domain, on its own domain only, "
@@ -77,6 +83,10 @@ class EvalConfig(BaseModel):
     def validation_tasks_seed(self) -> int:
         """The seed of the validation tasks: validation_seed, or seed + 1."""
         return self.seed + 1 if self.validation_seed is None else self.validation_seed
+
+    def validation_task_count(self) -> int:
+        """Validation tasks per domain: validation_tasks, or n_tasks."""
+        return self.n_tasks if self.validation_tasks is None else self.validation_tasks
 
 
 class GateConfig(BaseModel):

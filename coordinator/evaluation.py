@@ -107,7 +107,11 @@ class Evaluator:
         what chooses among merge candidates and what the publication rule compares."""
         config = self.eval_config
         return self.scores(
-            folder, config.domains, config.n_tasks, config.validation_tasks_seed(), cache_as
+            folder,
+            config.domains,
+            config.validation_task_count(),
+            config.validation_tasks_seed(),
+            cache_as,
         )
 
     def own_domain_gate(
@@ -124,16 +128,16 @@ class Evaluator:
         beside the base's, and whether it is kept (`gate_verdict` at `alpha`). An expert of a
         domain that is not evaluated is kept unscored."""
         config = self.eval_config
-        seed = config.validation_tasks_seed()
+        seed, n_tasks = config.validation_tasks_seed(), config.validation_task_count()
         gate: list[dict[str, Any]] = []
         for expert in experts:
             entry: dict[str, Any] = {"label": expert.label, "domain": expert.domain}
             if expert.domain not in config.domains:
                 gate.append(entry | {"kept": True, "base": None, "expert": None})
                 continue
-            base = self.scores(base_dir, [expert.domain], config.n_tasks, seed, cache_as=base_id)
+            base = self.scores(base_dir, [expert.domain], n_tasks, seed, cache_as=base_id)
             folder = expert_folder(base_dir, expert, work, keep_base)
-            alone = self.scores(folder, [expert.domain], config.n_tasks, seed)
+            alone = self.scores(folder, [expert.domain], n_tasks, seed)
             base_reward = mean_reward(base[expert.domain])
             expert_reward = mean_reward(alone[expert.domain])
             entry |= {"base": base_reward, "expert": expert_reward}

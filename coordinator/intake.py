@@ -385,7 +385,10 @@ class Intake:
         )
         folder = Path(tempfile.mkdtemp(prefix=GATE_WORK_PREFIX, dir=self.config.work_dir))
         try:
-            write_expert_checkpoint(base_dir, reader, folder / "expert")
+            # Scored as the merge plan in force applies it (an operator may have set another
+            # since start): the tensors it keeps at the base stay there.
+            keep_base = self.rounds.config.merge.keep_base_tensors
+            write_expert_checkpoint(base_dir, reader, folder / "expert", keep_base)
             expert_scores = self.evaluator.scores(folder / "expert", domains, gates.n_tasks, seed)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

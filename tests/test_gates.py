@@ -16,7 +16,14 @@ import pytest
 import torch
 from delta_helpers import hand_in_delta
 from pydantic import ValidationError
-from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, GateConfig, RoundPolicy
+from skillswarm.coordinator.config import (
+    CoordinatorConfig,
+    EvalConfig,
+    GateConfig,
+    MergePlan,
+    RoundPolicy,
+    matches_any,
+)
 from skillswarm.coordinator.evaluation import ExpertInput, expert_folder
 from skillswarm.coordinator.gates import (
     DeltaRejected,
@@ -110,6 +117,10 @@ def test_gate_and_eval_config_refuse_settings_that_cannot_work():
     with pytest.raises(ValidationError, match="validation_seed"):
         EvalConfig(seed=3, validation_seed=3)
     assert EvalConfig(seed=3).validation_tasks_seed() == 4
+    assert EvalConfig(n_tasks=64).validation_task_count() == 64
+    assert EvalConfig(n_tasks=64, validation_tasks=512).validation_task_count() == 512
+    with pytest.raises(ValidationError, match="validation_tasks"):
+        EvalConfig(validation_tasks=0)
 
 
 def test_expert_checkpoint_is_base_plus_delta_bit_for_bit(tmp_path: Path, tiny_base: Path):
@@ -274,5 +285,32 @@ def test_eval_gate_refuses_a_delta_that_wrecks_another_domain(tmp_path: Path, ti
         published = c.request_round()
         assert (published["status"], published["inputs"]) == ("published", [honest.id])
         assert c.metrics()["deltas_rejected_eval_total"] == 1
+    finally:
+        c.store.close()
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_eval_gate_scores_a_delta_as_the_merge_plan_applies_it(
+    tmp_path: Path, tiny_base: Path, kept: bool
+):
+    # A code delta that moves only the decoder layers, far enough to wreck math: the gate refuses
+    # it, unless the plan keeps those layers at the base, where the merge would not apply it.
+    layers = "model.layers.*"
+    gates = GateConfig(eval_gate=True, domains=["math"], n_tasks=8, max_other_domain_drop=0.2)
+    eval_config = EvalConfig(n_tasks=1, validation_seed=GATE_VALIDATION_SEED)
+    plan = MergePlan(keep_base_tensors=[layers] if kept else [])
+    c = _coordinator(tmp_path, tiny_base, gates=gates, eval=eval_config, merge=plan)
+    try:
+        base = dict(iter_base_tensors(c.registry.checkpoint_dir(c.current_base())))
+        noisy = _noisy(base, 0.5, seed=5)
+        tuned = {n: noisy[n] if matches_any(n, [layers]) else t for n, t in base.items()}
+        assert any(not torch.equal(tuned[n], base[n]) for n in base)
+        delta = _hand_in(c, load_or_create_identity(tmp_path / "code.key"), tuned, domain="code")
+        if kept:
+            assert delta.status == "accepted", delta.reason
+            scores = delta.checks["scores"]
+            assert scores["expert"]["math"] == scores["base"]["math"]
+        else:
+            assert (delta.status, delta.rejection_kind) == ("rejected", "eval")
     finally:
         c.store.close()

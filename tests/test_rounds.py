@@ -141,7 +141,9 @@ def test_evaluation_table_and_merge_candidates(tmp_path, tiny_base):
             MergeSpec(method="linear", parameters={"weight": 1.0}),
         ],
     )
-    eval_config = EvalConfig(domains=["math", "code"], n_tasks=1, seed=0, validation_seed=5)
+    eval_config = EvalConfig(
+        domains=["math", "code"], n_tasks=1, validation_tasks=2, seed=0, validation_seed=5
+    )
     c = Coordinator(
         _config(tmp_path, tiny_base, merge=plan, eval=eval_config, round=RoundPolicy(min_deltas=2))
     )
@@ -166,6 +168,8 @@ def test_evaluation_table_and_merge_candidates(tmp_path, tiny_base):
         assert all(
             c_["seed"] == 5 and set(c_["validation"]) == {"math", "code"} for c_ in candidates
         )
+        # Candidates are chosen on validation_tasks tasks, the table reports n_tasks.
+        assert all(row["n"] == 2 for c_ in candidates for row in c_["validation"].values())
         (chosen,) = [c_ for c_ in candidates if c_["chosen"]]
         assert chosen["score"] == max(c_["score"] for c_ in candidates)
         assert record["method"] == chosen["spec"]
