@@ -51,6 +51,7 @@ from skillswarm.coordinator.candidates import gate_by_own_domain, merge_and_deci
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, scores_row
 from skillswarm.coordinator.publication import publication_rule
+from skillswarm.merge.methods import MergeSpec
 from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
 from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors
@@ -112,6 +113,18 @@ def parse_domain_weights(text: str) -> list[float]:
             f"--domain-weights takes W,W,… or none; got {text!r}: {error}"
         ) from None
     return weights
+
+
+def parse_lambdas(text: str) -> list[MergeSpec]:
+    """`0.75,0.5` → task arithmetic at those λs, the candidates tried beside the plan's λ 1."""
+    try:
+        weights = [float(part) for part in text.split(",")]
+        specs = [MergeSpec(method="task_arithmetic", parameters={"weight": w}) for w in weights]
+        if any(not 0 < w <= 2 for w in weights):
+            raise ValueError("each λ must be above 0 and at most 2")
+    except ValueError as error:  # pydantic's ValidationError is one
+        raise argparse.ArgumentTypeError(f"--lambdas takes λ,λ,…; got {text!r}: {error}") from None
+    return specs
 
 
 def parse_steps(text: str) -> dict[str, int]:
@@ -251,6 +264,7 @@ class Bench:
                 own_domain_gate_alpha=args.gate_alpha,
                 subsets_on_hold=not args.no_subsets,
                 domain_weights=args.domain_weights,
+                candidates=args.lambdas,
                 keep_base_tensors=args.keep_base_tensors,
             ),
         )
@@ -689,6 +703,14 @@ def main() -> int:
         help="task arithmetic with a weight per domain tried beside the plain λ candidates, "
         "each of these weights for each domain ('none': off; the coordinator's domain_weights; "
         "default %(default)s)",
+    )
+    parser.add_argument(
+        "--lambdas",
+        type=parse_lambdas,
+        default=MergePlan().candidates,
+        metavar="λ,λ,…",
+        help="task arithmetic weights tried beside the plan's λ 1 on the validation tasks (the "
+        "coordinator's [merge] candidates; default 0.5)",
     )
     add_keep_base_argument(parser)
     parser.add_argument(
