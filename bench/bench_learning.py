@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from skillswarm.agent.envs import get_environment, list_environments
+from skillswarm.agent.envs import Environment, get_environment, list_environments
 from skillswarm.agent.evaluate import EvalResult, evaluate_checkpoint
 from skillswarm.agent.model import build_threads, load_policy, set_torch_threads
 from skillswarm.node.bootstrap import (
@@ -131,12 +131,12 @@ def train_for(
     eval_seed: int,
     max_steps: int | None = None,
     log_every: int = 10,
-    train_env: dict[str, Any] | None = None,
+    environment: Environment | None = None,
 ) -> DomainOutcome:
     """RL from `base` on `domain` with `config` (its `steps` ignored) until `seconds` of wall
     time are spent or `max_steps` steps are taken, with held-out success measured on the same
-    tasks before and after. `train_env` are keyword arguments of the training episodes'
-    environment only; held-out tasks come from the environment's defaults."""
+    tasks before and after. `environment` plays the training episodes (default: the domain's
+    with its defaults); held-out tasks always come from the environment's defaults."""
     model, tokenizer = load_policy(base)
     before = evaluate((model, tokenizer), domain, eval_tasks, eval_seed)
     sampled_before = evaluate((model, tokenizer), domain, eval_tasks, eval_seed, config.temperature)
@@ -161,7 +161,7 @@ def train_for(
             )
 
     budgeted = config.model_copy(update={"steps": max_steps or MAX_BUDGETED_STEPS})
-    env = get_environment(domain, **(train_env or {}))
+    env = environment if environment is not None else get_environment(domain)
     run = AsyncRLRun(model, tokenizer, env, budgeted, on_step=on_step)
     load_before = load_average()
     cpu_started = time.process_time()
@@ -322,8 +322,8 @@ def main() -> int:
     try:
         recipes = {domain: _with_overrides(recipe_for(domain), args) for domain in domains}
         train_env = parse_train_env(args.train_env)
-        for domain in domains if train_env else ():
-            get_environment(domain, **train_env)  # a wrong argument fails before any training
+        # Built before any training, so that a wrong --train-env argument fails first.
+        environments = {domain: get_environment(domain, **train_env) for domain in domains}
     except (ValueError, TypeError) as error:  # pydantic's ValidationError names the bad setting
         parser.error(str(error))
     set_torch_threads(1)
@@ -370,7 +370,7 @@ def main() -> int:
                 eval_tasks=args.eval_tasks,
                 eval_seed=args.eval_seed,
                 max_steps=args.steps,
-                train_env=train_env,
+                environment=environments[domain],
             )
         )
     print_table(outcomes, args.eval_tasks)
