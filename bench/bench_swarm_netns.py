@@ -50,329 +50,52 @@ named with the prefix ssim<pid> and removed at exit, also on SIGINT/SIGTERM or a
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import random
-import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-PEER_SCRIPT = Path(__file__).resolve().parent / "netns_peer.py"
-PREFIX_ROOT = "ssim"
-PREFIX = f"{PREFIX_ROOT}{os.getpid()}"
-HTTP_PORT = 8470
-P2P_PORT = 4001
-HEALTH_PORT = 9470
-ALL_SCENARIOS = ["scale", "slow", "churn", "partition", "stall", "load"]
-REPO = "skillswarm/agent"
-
-
-class BenchError(RuntimeError):
-    """The simulator cannot go on; the message says why."""
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def sh(*args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-    result = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
-    if check and result.returncode != 0:
-        raise BenchError(f"`{' '.join(args)}` failed: {result.stderr.strip()}")
-    return result
-
-
-def child_env() -> dict[str, str]:
-    """The environment of every peer and coordinator: one torch thread, no proxies, no
-    SKILLSWARM_* overrides from the caller's shell."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("SKILLSWARM_") and "proxy" not in k.lower()
-    }
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-        HF_HUB_OFFLINE="1",
-        NO_PROXY="*",
-    )
-    return env
-
-
-# network -------------------------------------------------------------------------------------
-
-
-def tbf_args(rate_bit: int) -> list[str]:
-    """tbf settings for a rate: a burst of ~10 ms (at least 16 KiB), a queue of ~80 ms."""
-    burst = max(rate_bit // 8 // 100, 16 * 1024)
-    limit = max(rate_bit // 8 * 80 // 1000, 4 * burst, 64 * 1024)
-    return ["tbf", "rate", f"{rate_bit}bit", "burst", str(burst), "limit", str(limit)]
-
-
-def parse_rate(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(bit|bps)?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (e.g. 100mbit, 10mbit)")
-    value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
-    return int(value * (8 if match.group(3) == "bps" else 1))
-
-
-@dataclass
-class Node:
-    """One namespace: its name, address, the bridge-side veth and the process in it."""
-
-    name: str
-    ns: str
-    ip: str
-    host_if: str
-    rate: int
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
-    work_dir: Path | None = None
-    config_path: Path | None = None
-    starts: int = 0
-
-
-class Net:
-    """The bridge, namespaces, veths and qdiscs of one run, all named with PREFIX."""
-
-    def __init__(self, subnet: str) -> None:
-        self.subnet = subnet  # "10.213.x"
-        self.bridge = f"{PREFIX}br"
-        self.namespaces: list[str] = []
-        self.bridge_up = False
-
-    def up(self) -> None:
-        sh("ip", "link", "add", self.bridge, "type", "bridge")
-        self.bridge_up = True
-        sh("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
-        sh("ip", "link", "set", self.bridge, "up")
-
-    def add(self, name: str, host_number: int, rate: int) -> Node:
-        ns = f"{PREFIX}-{name}"
-        host_if, inner = f"{PREFIX}h{name}", f"{PREFIX}n{name}"
-        if len(host_if) > 15:
-            raise BenchError(f"interface name {host_if} is too long")
-        sh("ip", "netns", "add", ns)
-        self.namespaces.append(ns)
-        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", inner)
-        sh("ip", "link", "set", inner, "netns", ns)
-        ip = f"{self.subnet}.{host_number}"
-        for cmd in (
-            ["ip", "link", "set", inner, "name", "eth0"],
-            ["ip", "addr", "add", f"{ip}/24", "dev", "eth0"],
-            ["ip", "link", "set", "eth0", "up"],
-            ["ip", "link", "set", "lo", "up"],
-            ["tc", "qdisc", "add", "dev", "eth0", "root", *tbf_args(rate)],
-        ):
-            sh("ip", "netns", "exec", ns, *cmd)
-        sh("ip", "link", "set", host_if, "master", self.bridge)
-        sh("ip", "link", "set", host_if, "up")
-        sh("tc", "qdisc", "add", "dev", host_if, "root", *tbf_args(rate))
-        return Node(name=name, ns=ns, ip=ip, host_if=host_if, rate=rate)
-
-    @staticmethod
-    def set_rate(node: Node, rate: int) -> None:
-        sh("tc", "qdisc", "change", "dev", node.host_if, "root", *tbf_args(rate))
-        sh(
-            "ip",
-            "netns",
-            "exec",
-            node.ns,
-            "tc",
-            "qdisc",
-            "change",
-            "dev",
-            "eth0",
-            "root",
-            *tbf_args(rate),
-        )
-
-    @staticmethod
-    def blackhole(node: Node, ip: str, on: bool) -> None:
-        verb = "add" if on else "del"
-        sh("ip", "netns", "exec", node.ns, "ip", "route", verb, "blackhole", f"{ip}/32")
-
-    @staticmethod
-    def counters(node: Node) -> tuple[int, int]:
-        """(bytes the namespace sent, bytes it received), from the bridge-side veth."""
-        base = Path("/sys/class/net") / node.host_if / "statistics"
-        try:
-            return int((base / "rx_bytes").read_text()), int((base / "tx_bytes").read_text())
-        except OSError:
-            return 0, 0
-
-    def remove_namespaces(self) -> None:
-        for ns in list(self.namespaces):
-            kill_namespace_processes(ns)
-            sh("ip", "netns", "del", ns, check=False)
-            self.namespaces.remove(ns)
-
-    def down(self) -> None:
-        self.remove_namespaces()
-        if self.bridge_up:
-            sh("ip", "link", "del", self.bridge, check=False)
-            self.bridge_up = False
-
-
-def kill_namespace_processes(ns: str) -> None:
-    """SIGKILL whatever still runs in a namespace this simulator made (its peers/coordinator)."""
-    result = sh("ip", "netns", "pids", ns, check=False)
-    for pid in result.stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-
-
-def cleanup_leftovers(only_dead: bool = True) -> list[str]:
-    """Remove namespaces and links named ssim<pid>... whose run (pid) is gone."""
-
-    def dead(name: str) -> bool:
-        match = re.match(rf"{PREFIX_ROOT}(\d+)", name)
-        if not match:
-            return False
-        pid = int(match.group(1))
-        return not only_dead or (pid != os.getpid() and not Path(f"/proc/{pid}").exists())
-
-    removed = []
-    for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
-        ns = line.split()[0] if line.split() else ""
-        if ns.startswith(PREFIX_ROOT) and dead(ns):
-            kill_namespace_processes(ns)
-            sh("ip", "netns", "del", ns, check=False)
-            removed.append(f"netns {ns}")
-    for line in sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
-        parts = line.split(":")
-        if len(parts) < 2:
-            continue
-        name = parts[1].strip().split("@")[0]
-        if name.startswith(PREFIX_ROOT) and dead(name):
-            sh("ip", "link", "del", name, check=False)
-            removed.append(f"link {name}")
-    return removed
-
-
-def free_subnet() -> str:
-    used = sh("ip", "-o", "addr", "show", check=False).stdout
-    for third in [os.getpid() % 200 + 20, *range(20, 250)]:
-        subnet = f"10.213.{third}"
-        if f" {subnet}." not in used:
-            return subnet
-    raise BenchError("no free 10.213.x.0/24 subnet for the bridge")
-
-
-# processes -----------------------------------------------------------------------------------
-
-
-PROCS: list[subprocess.Popen] = []
-
-
-def spawn(node: Node, argv: list[str], log_path: Path) -> subprocess.Popen:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    out = open(log_path, "ab")
-    proc = subprocess.Popen(
-        ["ip", "netns", "exec", node.ns, *argv],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=child_env(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    out.close()
-    PROCS.append(proc)
-    node.proc, node.log_path = proc, log_path
-    node.starts += 1
-    return proc
-
-
-def stop_proc(proc: subprocess.Popen | None, grace: float = 10) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-    except ProcessLookupError:
-        pass
-
-
-def proc_stats(pid: int) -> dict[str, float]:
-    """Peak and current RSS (MiB) and CPU seconds (user + system) of a live process."""
-    out: dict[str, float] = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(("VmHWM:", "VmRSS:")):
-                out[line.split(":")[0]] = int(line.split()[1]) / 1024
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = os.sysconf("SC_CLK_TCK")
-        out["cpu_s"] = (int(fields[11]) + int(fields[12])) / ticks
-    except (OSError, IndexError, ValueError):
-        pass
-    return out
-
-
-# HTTP ----------------------------------------------------------------------------------------
-
-
-def mem_available_mb() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 1024
-    return float("inf")
-
-
-def get_json(url: str, timeout: float = 5) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - our own URL
-        return json.loads(response.read())
-
-
-def try_json(url: str, timeout: float = 5) -> Any:
-    try:
-        return get_json(url, timeout)
-    except (OSError, ValueError, urllib.error.URLError):
-        return None
-
-
-def parse_time(text: str | None) -> float | None:
-    if not text:
-        return None
-    value = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    if value.tzinfo is None:
-        from datetime import UTC
-
-        value = value.replace(tzinfo=UTC)
-    return value.timestamp()
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netns_lib import (  # noqa: E402 (the bench folder is no package)
+    ALL_SCENARIOS,
+    HEALTH_PORT,
+    HTTP_PORT,
+    P2P_PORT,
+    PEER_SCRIPT,
+    PREFIX,
+    PROCS,
+    ROOT,
+    BenchError,
+    Net,
+    Node,
+    child_env,
+    cleanup_leftovers,
+    free_subnet,
+    log,
+    mem_available_mb,
+    parse_rate,
+    parse_time,
+    read_events,
+    sh,
+    spawn,
+    stop_proc,
+    try_json,
+)
+from netns_measure import (  # noqa: E402
+    coordinator_stats,
+    fmt,
+    load_test,
+    measure,
+    plot,
+    print_scenario,
+)
 
 # setup ---------------------------------------------------------------------------------------
 
@@ -629,8 +352,8 @@ class Simulator:
             time.sleep(1)
         log(f"[{sc.label}] coordinator answers after {time.monotonic() - started:.0f} s")
         if sc.load:
-            result = self.load_test(coord, coord_url, stop_at)
-            result.update(self.coordinator_stats(coord))
+            result = load_test(coord, coord_url, stop_at, self.args.clients, self.args.load_s)
+            result.update(coordinator_stats(coord))
             return self.finish(sc, coord, peers, result)
         for i, node in enumerate(peers):
             node.work_dir = scen_dir / node.name / "data"
@@ -755,7 +478,7 @@ class Simulator:
             # done: enough rounds published, every peer rebased on the last (or grace over)
             if len(published) >= sc.rounds and (fault_on is None or fault_on.get("healed")):
                 last = max(published)
-                events = self.read_events(peers)
+                events = read_events(peers)
                 rebased = [
                     p
                     for p in peers
@@ -782,212 +505,7 @@ class Simulator:
                 Net.blackhole(coord, victim.ip, False)
             if sc.stall:
                 Net.set_rate(victim, victim.rate)
-        return self.measure(
-            sc, coord, coord_url, peers, samples, health, faults, published, t0, done_reason
-        )
-
-    @staticmethod
-    def read_events(peers: list[Node]) -> dict[str, list[dict[str, Any]]]:
-        events: dict[str, list[dict[str, Any]]] = {}
-        for node in peers:
-            path = (node.work_dir or Path("/nonexistent")) / "sim-events.jsonl"
-            rows = []
-            if path.is_file():
-                for line in path.read_text().splitlines():
-                    try:
-                        rows.append(json.loads(line))
-                    except ValueError:
-                        pass
-            events[node.name] = rows
-        return events
-
-    def coordinator_stats(self, coord: Node) -> dict[str, Any]:
-        stats = proc_stats(coord.proc.pid) if coord.proc is not None else {}
-        return {
-            "coordinator_peak_rss_mib": stats.get("VmHWM"),
-            "coordinator_cpu_s": stats.get("cpu_s"),
-        }
-
-    def measure(
-        self,
-        sc: Scenario,
-        coord: Node,
-        coord_url: str,
-        peers: list[Node],
-        samples: list[tuple[float, int, int]],
-        health: dict[str, dict[str, Any]],
-        faults: list[dict[str, Any]],
-        published: dict[int, float],
-        t0: float,
-        done_reason: str,
-    ) -> dict[str, Any]:
-        result: dict[str, Any] = {"end": done_reason, "faults": faults}
-        result.update(self.coordinator_stats(coord))
-        peer_rss = [
-            proc_stats(p.proc.pid).get("VmRSS")
-            for p in peers
-            if p.proc is not None and p.proc.poll() is None
-        ]
-        peer_rss = [r for r in peer_rss if r]
-        result["peer_rss_mib_mean"] = statistics.mean(peer_rss) if peer_rss else None
-        result["peer_rss_mib_max"] = max(peer_rss) if peer_rss else None
-        rounds = try_json(f"{coord_url}/v1/rounds", 10) or []
-        deltas = try_json(f"{coord_url}/v1/deltas", 10) or []
-        events = self.read_events(peers)
-        end_t = time.time()
-        per_round = []
-        numbers = sorted(published)
-        for k, number in enumerate(numbers):
-            t_pub = published[number]
-            t_next = published[numbers[k + 1]] if k + 1 < len(numbers) else end_t
-            rebase = {}
-            for node in peers:
-                times = [
-                    e["t"]
-                    for e in events[node.name]
-                    if e.get("event") == "rebased" and e["round"] == number + 1
-                ]
-                if times:
-                    rebase[node.name] = min(times) - t_pub
-            before = [s for s in samples if s[0] <= t_pub]
-            within = [s for s in samples if s[0] <= t_next]
-            up = (within[-1][1] - before[-1][1]) if before and within else None
-            row = next((r for r in rounds if r["number"] == number), {})
-            per_round.append(
-                {
-                    "round": number,
-                    "deltas_merged": len(row.get("inputs") or []),
-                    "trigger": row.get("trigger"),
-                    "merge_s": row.get("merge_seconds"),
-                    "rebased": len(rebase),
-                    "rebase_p50_s": statistics.median(rebase.values()) if rebase else None,
-                    "round_time_s": max(rebase.values()) if rebase else None,
-                    "not_rebased": sorted(set(p.name for p in peers) - set(rebase)),
-                    "interval_s": (t_next - t_pub) if k + 1 < len(numbers) else None,
-                    "coordinator_upload_bytes": up,
-                }
-            )
-        result["rounds"] = per_round
-        result["rounds_published"] = len(numbers)
-        # round 0 -> 1: every peer's first pull of the base, from its start
-        first = [
-            min(e["t"] for e in events[p.name] if e.get("event") == "rebased" and e["round"] == 1)
-            - t0
-            for p in peers
-            if any(e.get("event") == "rebased" and e["round"] == 1 for e in events[p.name])
-        ]
-        result["first_pull_max_s"] = max(first) if first else None
-        # rounds over (a "merging" round's accepted deltas are still being merged)
-        closed = [
-            r["number"]
-            for r in rounds
-            if r["status"] in ("published", "held", "failed", "abandoned")
-        ]
-        lost = [d for d in deltas if d["status"] == "accepted" and d.get("round") in closed]
-        result["accepted_lost"] = len(lost)
-        result["accepted_pending_open_round"] = sum(
-            1 for d in deltas if d["status"] == "accepted" and d.get("round") not in closed
-        )
-        kinds: dict[str, int] = {}
-        for d in deltas:
-            if d["status"] == "rejected":
-                kinds[d.get("rejection_kind") or "?"] = (
-                    kinds.get(d.get("rejection_kind") or "?", 0) + 1
-                )
-        result["rejected_by_kind"] = kinds
-        result["deltas_merged_total"] = sum(1 for d in deltas if d["status"] == "merged")
-        sent = [Net.counters(p) for p in peers]
-        result["peer_upload_bytes_mean"] = statistics.mean(s[0] for s in sent) if sent else None
-        result["peer_download_bytes_mean"] = statistics.mean(s[1] for s in sent) if sent else None
-        result["peer_download_bytes_max"] = max(s[1] for s in sent) if sent else None
-        c_sent, c_recv = Net.counters(coord)
-        result["coordinator_upload_total_bytes"] = c_sent
-        result["coordinator_download_total_bytes"] = c_recv
-        # peers that did not rebase on the last published checkpoint, and why
-        failures = {}
-        if numbers:
-            last = numbers[-1]
-            for node in peers:
-                if not any(
-                    e.get("event") == "rebased" and e["round"] == last + 1
-                    for e in events[node.name]
-                ):
-                    failures[node.name] = {
-                        "health": {
-                            k: health.get(node.name, {}).get(k)
-                            for k in ("phase", "round", "seconds_since_progress")
-                        },
-                        "log": log_problems(node.log_path),
-                    }
-        result["not_rebased_on_last"] = failures
-        result["restarts"] = sum(max(0, p.starts - 1) for p in peers)
-        return result
-
-    def load_test(self, coord: Node, coord_url: str, stop_at: float) -> dict[str, Any]:
-        """--clients concurrent GETs of the model file while /v1/info is timed."""
-        args = self.args
-        info = get_json(f"{coord_url}/v1/info")
-        url = f"{coord_url}/{REPO}/resolve/{info['base_revision']}/model.safetensors"
-
-        def time_info(count: int) -> list[float]:
-            out = []
-            for _ in range(count):
-                t = time.perf_counter()
-                if try_json(f"{coord_url}/v1/info", 10) is not None:
-                    out.append(time.perf_counter() - t)
-                time.sleep(0.05)
-            return out
-
-        idle = time_info(40)
-        stop = threading.Event()
-        got = [0] * args.clients
-        done = [False] * args.clients
-        errors: list[str] = []
-
-        def download(i: int) -> None:
-            try:
-                with urllib.request.urlopen(url, timeout=30) as response:  # noqa: S310
-                    while not stop.is_set():
-                        chunk = response.read(1 << 16)
-                        if not chunk:
-                            done[i] = True
-                            return
-                        got[i] += len(chunk)
-            except Exception as error:  # noqa: BLE001 - recorded
-                errors.append(f"{type(error).__name__}: {error}")
-
-        sent0 = Net.counters(coord)[0]
-        start = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
-            futures = [pool.submit(download, i) for i in range(args.clients)]
-            time.sleep(1.0)
-            loaded: list[float] = []
-            until = min(start + args.load_s, stop_at - 30)
-            while time.monotonic() < until and not all(done):
-                loaded += time_info(1)
-            stop.set()
-            concurrent.futures.wait(futures, timeout=60)
-        elapsed = time.monotonic() - start
-        sent = Net.counters(coord)[0] - sent0
-        return {
-            "clients": args.clients,
-            "load_s": round(elapsed, 1),
-            "downloads_completed": sum(done),
-            "download_errors": len(errors),
-            "download_error_sample": errors[:3],
-            "bytes_served": sum(got),
-            "coordinator_upload_bytes": sent,
-            "coordinator_upload_mbit_s": sent * 8 / elapsed / 1e6,
-            "info_idle_ms": {
-                q: 1000 * (percentile(idle, p) or 0)
-                for q, p in (("p50", 50), ("p99", 99), ("max", 100))
-            },
-            "info_loaded_ms": {
-                q: 1000 * (percentile(loaded, p) or 0)
-                for q, p in (("p50", 50), ("p99", 99), ("max", 100))
-            },
-            "info_loaded_samples": len(loaded),
-        }
+        return measure(coord, coord_url, peers, samples, health, faults, published, t0, done_reason)
 
     def finish(
         self, sc: Scenario, coord: Node, peers: list[Node], result: dict[str, Any]
@@ -1013,140 +531,6 @@ class Simulator:
         self.net.down()
         if not self.args.keep:
             shutil.rmtree(self.work, ignore_errors=True)
-
-
-def log_problems(path: Path | None, limit: int = 4) -> list[str]:
-    """The last few warning/error lines of a process's log."""
-    if path is None or not path.is_file():
-        return []
-    lines = [
-        line
-        for line in path.read_text(errors="replace").splitlines()
-        if " WARNING " in line or " ERROR " in line or "Error" in line
-    ]
-    return [line[:240] for line in lines[-limit:]]
-
-
-# report --------------------------------------------------------------------------------------
-
-
-def fmt(value: Any, scale: float = 1, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    return f"{value / scale:.{digits}f}"
-
-
-def print_scenario(label: str, r: dict[str, Any]) -> None:
-    print(f"\n== {label} ==")
-    if "error" in r:
-        print(f"failed: {r['error']}")
-        return
-    if "info_loaded_ms" in r:
-        print(
-            f"{r['clients']} concurrent model downloads for {r['load_s']} s: "
-            f"{r['downloads_completed']} completed, {r['download_errors']} errors, "
-            f"{r['bytes_served'] / 1e6:.1f} MB read, coordinator sent "
-            f"{r['coordinator_upload_mbit_s']:.1f} Mbit/s"
-        )
-        for key in ("info_idle_ms", "info_loaded_ms"):
-            q = r[key]
-            print(
-                f"  /v1/info {key[5:-3]:>6}: p50 {q['p50']:.1f} ms, p99 {q['p99']:.1f} ms, "
-                f"max {q['max']:.1f} ms"
-            )
-        print(
-            f"  coordinator peak RSS {fmt(r.get('coordinator_peak_rss_mib'), 1, 0)} MiB, "
-            f"CPU {fmt(r.get('coordinator_cpu_s'))} s"
-        )
-        return
-    faults = ", ".join(f["what"] for f in r.get("faults", []))
-    if faults:
-        print(f"faults: {faults}")
-    elif label.split("-")[0] in ("churn", "partition", "stall"):
-        print("faults: none fired (e.g. a fan-out delta downloads too fast to be stalled mid-way)")
-    print(
-        f"rounds published {r['rounds_published']} (end: {r['end']}); first pull of the base "
-        f"by every peer {fmt(r.get('first_pull_max_s'))} s after start; restarts {r['restarts']}"
-    )
-    print(
-        "round | deltas | trigger  | merge s | rebased | rebase p50 s | round time s "
-        "| interval s | coordinator upload MB"
-    )
-    for row in r["rounds"]:
-        print(
-            f"{row['round']:>5} | {row['deltas_merged']:>6} | {str(row['trigger']):<8} | "
-            f"{fmt(row['merge_s']):>7} | {row['rebased']:>7} | {fmt(row['rebase_p50_s']):>12} "
-            f"| {fmt(row['round_time_s']):>12} | {fmt(row['interval_s']):>10} | "
-            f"{fmt(row['coordinator_upload_bytes'], 1e6):>6}"
-        )
-    print(
-        f"coordinator: upload {r['coordinator_upload_total_bytes'] / 1e6:.1f} MB in all, "
-        f"download {r['coordinator_download_total_bytes'] / 1e6:.1f} MB, peak RSS "
-        f"{fmt(r.get('coordinator_peak_rss_mib'), 1, 0)} MiB, "
-        f"CPU {fmt(r.get('coordinator_cpu_s'))} s"
-    )
-    print(
-        f"peers: download {fmt(r['peer_download_bytes_mean'], 1e6)} MB mean "
-        f"({fmt(r['peer_download_bytes_max'], 1e6)} max), upload "
-        f"{fmt(r['peer_upload_bytes_mean'], 1e6, 2)} MB mean, RSS "
-        f"{fmt(r.get('peer_rss_mib_mean'), 1, 0)} MiB mean "
-        f"({fmt(r.get('peer_rss_mib_max'), 1, 0)} max)"
-    )
-    print(
-        f"deltas: {r['deltas_merged_total']} merged, {r['accepted_lost']} accepted but never "
-        f"merged (closed rounds), {r['accepted_pending_open_round']} pending (open/merging round), "
-        f"rejected {r['rejected_by_kind'] or 'none'}"
-    )
-    for name, why in r["not_rebased_on_last"].items():
-        print(f"  {name} did not rebase on the last checkpoint: {why['health']}")
-        for line in why["log"]:
-            print(f"    {line}")
-
-
-def plot(results: list[dict[str, Any]], out_png: Path) -> Path | None:
-    """Round time (median over rounds) and coordinator upload per round against N, per mode."""
-    points: dict[str, list[tuple[int, float, float]]] = {}
-    for item in results:
-        sc, r = item["scenario"], item["result"]
-        if sc["name"] != "scale" or "rounds" not in r:
-            continue
-        times = [x["round_time_s"] for x in r["rounds"] if x["round_time_s"] is not None]
-        ups = [
-            x["coordinator_upload_bytes"]
-            for x in r["rounds"][:-1]
-            if x["coordinator_upload_bytes"] is not None
-        ] or [
-            x["coordinator_upload_bytes"]
-            for x in r["rounds"]
-            if x["coordinator_upload_bytes"] is not None
-        ]
-        if times and ups:
-            points.setdefault(sc["mode"], []).append(
-                (sc["n"], statistics.median(times), statistics.median(ups) / 1e6)
-            )
-    if not points:
-        return None
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from skillswarm.node.metrics import write_figure_png
-
-    figure = Figure(figsize=(9, 3.6), layout="constrained")
-    FigureCanvasAgg(figure)
-    left, right = figure.subplots(1, 2)
-    for mode, rows in sorted(points.items()):
-        rows.sort()
-        ns = [p[0] for p in rows]
-        left.plot(ns, [p[1] for p in rows], "o-", label=mode)
-        right.plot(ns, [p[2] for p in rows], "o-", label=mode)
-    left.set_xlabel("peers N")
-    left.set_ylabel("round time (s): published -> all rebased")
-    right.set_xlabel("peers N")
-    right.set_ylabel("coordinator upload per round (MB)")
-    for axis in (left, right):
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize="small")
-    figure.suptitle("netns swarm: median over rounds (tbf links, no latency emulation)")
-    return write_figure_png(figure, out_png)
 
 
 # main ----------------------------------------------------------------------------------------
