@@ -710,7 +710,9 @@ def main() -> int:
         default=MergePlan().candidates,
         metavar="λ,λ,…",
         help="task arithmetic weights tried beside the plan's λ 1 on the validation tasks (the "
-        "coordinator's [merge] candidates; default 0.5)",
+        "coordinator's [merge] candidates; default "
+        + ",".join(f"{spec.parameters['weight']:g}" for spec in MergePlan().candidates)
+        + ")",
     )
     add_keep_base_argument(parser)
     parser.add_argument(
