@@ -44,6 +44,10 @@ MULTI_DOMAIN_COPY_STEPS = 2000
 DEFAULT_DOMAIN_WEIGHTS: dict[str, float] = {"math": 4.0, "code": 3.0, "search": 12.0}
 DEFAULT_WARM_START_BATCH_SIZE = 16
 DEFAULT_WARM_START_LR = 1.5e-3
+# The embedded base's size: about 1.2M parameters with its 1,028-token vocabulary.
+DEFAULT_HIDDEN_SIZE = 128
+DEFAULT_LAYERS = 4
+ATTENTION_HEADS = 4
 
 
 EMBEDDED_BASE_PACKAGE = "skillswarm"
@@ -104,6 +108,8 @@ def create_base_checkpoint(
     on_copy_check: Callable[[int, float], None] | None = None,
     copy_target: float = COPY_TARGET_ACCURACY,
     copy_whole_word_share: float = WHOLE_WORD_SHARE,
+    hidden_size: int = DEFAULT_HIDDEN_SIZE,
+    layers: int = DEFAULT_LAYERS,
 ) -> Path:
     """Build the tokenizer and tiny model, warm-start them on the domains' solver demonstrations
     and save a Hugging Face folder at `out_dir`. `domain_weights` sets each domain's share of the
@@ -112,7 +118,13 @@ def create_base_checkpoint(
     tokenizer's corpus (`copy_whole_word_share` of them words the tokenizer keeps as one
     token), stopping once it copies `copy_target` of a held-out batch's repeated tokens right in
     each kind; `on_copy_check(step, accuracy)` sees its checks. The same seed and thread
-    count give the same checkpoint."""
+    count give the same checkpoint. `hidden_size` (a multiple of the 4 attention heads; the MLP is
+    4 times as wide) and `layers` size the model."""
+    if hidden_size < 4 or hidden_size % ATTENTION_HEADS or layers < 1:
+        raise ValueError(
+            f"hidden_size must be a positive multiple of {ATTENTION_HEADS} and layers at least 1 "
+            f"(got {hidden_size} and {layers})"
+        )
     weights = None
     if domain_weights is not None:  # checked before the minutes of tokenizer and warm start
         unknown = sorted(set(domain_weights) - set(domains))
@@ -127,7 +139,14 @@ def create_base_checkpoint(
     corpus = list(TEMPLATE_FIXED_STRINGS)
     corpus += render_demonstrations(template_only, environments, tokenizer_corpus_tasks, seed)
     tokenizer = build_tokenizer(corpus)
-    model = build_tiny_model(tokenizer, seed=seed)
+    model = build_tiny_model(
+        tokenizer,
+        seed=seed,
+        hidden=hidden_size,
+        layers=layers,
+        heads=ATTENTION_HEADS,
+        intermediate=4 * hidden_size,
+    )
     copied = None
     if copy_steps:
         words = corpus_words(corpus[len(TEMPLATE_FIXED_STRINGS) :])
@@ -158,6 +177,8 @@ def create_base_checkpoint(
     save_tokenizer(tokenizer, out_dir)
     provenance = {
         "seed": seed,
+        "hidden_size": hidden_size,
+        "layers": layers,
         "domains": list(domains),
         "domain_weights": weights,
         "warm_start_steps": warm_start_steps,

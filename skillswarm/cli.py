@@ -312,6 +312,11 @@ def bootstrap(
             "[default: the recommended share]",
         ),
     ] = None,
+    hidden_size: Annotated[
+        int,
+        typer.Option(min=4, help="the model's width, a multiple of its 4 attention heads"),
+    ] = 128,
+    layers: Annotated[int, typer.Option(min=1, help="the model's transformer layers")] = 4,
     seed: int = 0,
     eval_tasks: Annotated[int, typer.Option(min=0, help="held-out tasks per domain; 0: skip")] = 64,
     threads: Annotated[
@@ -347,6 +352,7 @@ def bootstrap(
     from skillswarm.agent.evaluate import evaluate_checkpoint
     from skillswarm.agent.model import build_threads
     from skillswarm.node.bootstrap import (
+        ATTENTION_HEADS,
         DEFAULT_DOMAIN_WEIGHTS,
         MULTI_DOMAIN_COPY_STEPS,
         MULTI_DOMAIN_WARM_START_STEPS,
@@ -367,6 +373,8 @@ def bootstrap(
         copy_target = COPY_TARGET_ACCURACY
     if copy_whole_words is None:
         copy_whole_words = WHOLE_WORD_SHARE
+    if hidden_size % ATTENTION_HEADS:
+        _fail(ValueError(f"--hidden-size {hidden_size} is not a multiple of {ATTENTION_HEADS}"))
     try:
         described = ", ".join(f"{d} ×{shares.get(d, 1.0):g}" for d in chosen)
         console.print(
@@ -408,6 +416,8 @@ def bootstrap(
                 on_copy_check=copy_checked,
                 copy_target=copy_target,
                 copy_whole_word_share=copy_whole_words,
+                hidden_size=hidden_size,
+                layers=layers,
             )
     except UnknownEnvironmentError as exc:
         _fail(exc)

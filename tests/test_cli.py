@@ -118,6 +118,7 @@ def test_bootstrap_shares_demonstrations_by_weight_and_refuses_bad_weights(tmp_p
         "bootstrap", str(out), "--steps", "2", "--domains", "math,code",
         "--weights", "math=2.5, code=1", "--eval-tasks", "0", "--threads", "1",
         "--copy-steps", "3", "--copy-target", "0.5", "--copy-whole-words", "0.4",
+        "--hidden-size", "64", "--layers", "2",
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
     assert built.stdout.strip().endswith(str(out))
@@ -128,6 +129,10 @@ def test_bootstrap_shares_demonstrations_by_weight_and_refuses_bad_weights(tmp_p
     assert provenance["copy_pretraining_steps"] == 3
     assert provenance["copy_target"] == 0.5
     assert provenance["copy_whole_word_share"] == 0.4
+    assert (provenance["hidden_size"], provenance["layers"]) == (64, 2)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (64, 2)
+    assert config["intermediate_size"] == 256 and config["num_attention_heads"] == 4
     assert "copy pretraining until 50%" in " ".join(built.stderr.split())
     assert provenance["built_with"]["torch"].startswith("2.")
     assert 0 <= provenance["copy_accuracy"] < 0.9  # three steps copy next to nothing
@@ -136,6 +141,9 @@ def test_bootstrap_shares_demonstrations_by_weight_and_refuses_bad_weights(tmp_p
     assert refused.returncode == 2, refused.stderr
     assert "'code' is not one of the domains" in refused.stderr
     assert not (tmp_path / "no").exists()
+    odd = _cli("bootstrap", str(tmp_path / "odd"), "--hidden-size", "66", "--eval-tasks", "0")
+    assert odd.returncode == 1 and "not a multiple of 4" in odd.stderr
+    assert not (tmp_path / "odd").exists()
 
 
 def test_bootstrap_prebuilt_copies_the_shipped_base(tmp_path: Path, tiny_base: Path):
