@@ -275,14 +275,19 @@ def bootstrap(
     out: Annotated[Path, typer.Argument(help="folder for the base model")] = Path("runs/base"),
     steps: Annotated[
         int | None,
-        typer.Option(min=0, help="supervised warm-start steps [default: the recommended budget]"),
+        typer.Option(
+            min=0,
+            help="supervised warm-start steps",
+            show_default="the recommended budget",
+        ),
     ] = None,
     domains: Annotated[str, typer.Option(help="comma-separated domains")] = "math,code,search",
     weights: Annotated[
         str | None,
         typer.Option(
             help="each domain's share of the demonstrations, e.g. math=4,code=1,search=12 "
-            "(unnamed: 1) [default: the recommended shares]"
+            "(unnamed: 1)",
+            show_default="the recommended shares",
         ),
     ] = None,
     copy_steps: Annotated[
@@ -290,7 +295,8 @@ def bootstrap(
         typer.Option(
             min=0,
             help="most copy-pretraining steps before the warm start, which stops once the model "
-            "copies well; 0: none [default: the recommended budget]",
+            "copies well; 0: none",
+            show_default="the recommended budget",
         ),
     ] = None,
     copy_target: Annotated[
@@ -299,8 +305,8 @@ def bootstrap(
             min=0.01,
             max=1.0,
             help="share of a held-out batch's repeated tokens copied right (in the kind "
-            "copied worse: whole-word tokens or the rest) at which copy pretraining stops "
-            "[default: the recommended target]",
+            "copied worse: whole-word tokens or the rest) at which copy pretraining stops",
+            show_default="the recommended target",
         ),
     ] = None,
     copy_whole_words: Annotated[
@@ -308,15 +314,24 @@ def bootstrap(
         typer.Option(
             min=0.0,
             max=1.0,
-            help="share of the copied words that the tokenizer keeps as one token "
-            "[default: the recommended share]",
+            help="share of the copied words that the tokenizer keeps as one token",
+            show_default="the recommended share",
         ),
     ] = None,
     hidden_size: Annotated[
-        int,
-        typer.Option(min=4, help="the model's width, a multiple of its 4 attention heads"),
-    ] = 128,
-    layers: Annotated[int, typer.Option(min=1, help="the model's transformer layers")] = 4,
+        int | None,
+        typer.Option(
+            min=4,
+            help="the model's width, a multiple of its 4 attention heads",
+            show_default="the shipped base's",
+        ),
+    ] = None,
+    layers: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="the model's transformer layers", show_default="the shipped base's"
+        ),
+    ] = None,
     seed: int = 0,
     eval_tasks: Annotated[int, typer.Option(min=0, help="held-out tasks per domain; 0: skip")] = 64,
     threads: Annotated[
@@ -354,6 +369,8 @@ def bootstrap(
     from skillswarm.node.bootstrap import (
         ATTENTION_HEADS,
         DEFAULT_DOMAIN_WEIGHTS,
+        DEFAULT_HIDDEN_SIZE,
+        DEFAULT_LAYERS,
         MULTI_DOMAIN_COPY_STEPS,
         MULTI_DOMAIN_WARM_START_STEPS,
         create_base_checkpoint,
@@ -373,6 +390,10 @@ def bootstrap(
         copy_target = COPY_TARGET_ACCURACY
     if copy_whole_words is None:
         copy_whole_words = WHOLE_WORD_SHARE
+    if hidden_size is None:
+        hidden_size = DEFAULT_HIDDEN_SIZE
+    if layers is None:
+        layers = DEFAULT_LAYERS
     if hidden_size % ATTENTION_HEADS:
         _fail(ValueError(f"--hidden-size {hidden_size} is not a multiple of {ATTENTION_HEADS}"))
     try:
@@ -549,11 +570,17 @@ def demo(
     ] = False,
     steps: Annotated[
         int | None,
-        typer.Option(min=1, help="RL steps per node per round [default: each domain's recipe]"),
+        typer.Option(
+            min=1, help="RL steps per node per round", show_default="each domain's recipe"
+        ),
     ] = None,
     eval_tasks: Annotated[
         int | None,
-        typer.Option(min=1, help="held-out tasks per domain per evaluation [default: 128]"),
+        typer.Option(
+            min=1,
+            help="held-out tasks per domain per evaluation",
+            show_default="128; with --quick, 6",
+        ),
     ] = None,
 ) -> None:
     """Coordinator + three nodes (math, code, search) on 127.0.0.1, three rounds from the

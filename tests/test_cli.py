@@ -33,6 +33,17 @@ def test_version_and_help():
         assert command in helped.stdout
 
 
+def test_help_names_the_defaults_that_are_resolved_later():
+    def flat(*args: str) -> str:  # the help's table without its borders and line breaks
+        return " ".join(_cli(*args, "--help").stdout.replace("│", " ").split())
+
+    bootstrap = flat("bootstrap")
+    for default in ("recommended budget", "recommended shares", "recommended target"):
+        assert f"[default: (the {default})]" in bootstrap, default
+    assert "[default: (the shipped base's)]" in bootstrap
+    assert "[default: (128; with --quick, 6)]" in flat("demo")
+
+
 def test_bad_config_is_a_clear_error(tmp_path: Path):
     bad = tmp_path / "node.toml"
     bad.write_text('domain = "math"\n[train]\nsteps = -3\n')

@@ -202,6 +202,10 @@ def test_base_checkpoint_refuses_bad_domain_weights_before_building(tmp_path: Pa
                 tmp_path / "base", domains=("math", "code"), domain_weights=weights
             )
         assert not (tmp_path / "base").exists()
+    for size, message in [({"hidden_size": 130}, "multiple of 4"), ({"layers": 0}, "layers")]:
+        with pytest.raises(ValueError, match=message):
+            create_base_checkpoint(tmp_path / "base", **size)
+        assert not (tmp_path / "base").exists()
 
 
 def test_saved_model_round_trips_weights(tokenizer, tmp_path: Path) -> None:
