@@ -92,6 +92,17 @@ def render_demonstrations(
     return texts
 
 
+def check_model_size(hidden_size: int, layers: int) -> None:
+    """Refuse a model size `create_base_checkpoint` cannot build (ValueError)."""
+    if hidden_size < ATTENTION_HEADS or hidden_size % ATTENTION_HEADS:
+        raise ValueError(
+            f"hidden size {hidden_size} is not a positive multiple of {ATTENTION_HEADS}, "
+            "the attention heads"
+        )
+    if layers < 1:
+        raise ValueError(f"layers must be at least 1, got {layers}")
+
+
 def create_base_checkpoint(
     out_dir: Path,
     seed: int = 0,
@@ -120,11 +131,7 @@ def create_base_checkpoint(
     each kind; `on_copy_check(step, accuracy)` sees its checks. The same seed and thread
     count give the same checkpoint. `hidden_size` (a multiple of the 4 attention heads; the MLP is
     4 times as wide) and `layers` size the model."""
-    if hidden_size < 4 or hidden_size % ATTENTION_HEADS or layers < 1:
-        raise ValueError(
-            f"hidden_size must be a positive multiple of {ATTENTION_HEADS} and layers at least 1 "
-            f"(got {hidden_size} and {layers})"
-        )
+    check_model_size(hidden_size, layers)
     weights = None
     if domain_weights is not None:  # checked before the minutes of tokenizer and warm start
         unknown = sorted(set(domain_weights) - set(domains))

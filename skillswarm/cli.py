@@ -367,12 +367,12 @@ def bootstrap(
     from skillswarm.agent.evaluate import evaluate_checkpoint
     from skillswarm.agent.model import build_threads
     from skillswarm.node.bootstrap import (
-        ATTENTION_HEADS,
         DEFAULT_DOMAIN_WEIGHTS,
         DEFAULT_HIDDEN_SIZE,
         DEFAULT_LAYERS,
         MULTI_DOMAIN_COPY_STEPS,
         MULTI_DOMAIN_WARM_START_STEPS,
+        check_model_size,
         create_base_checkpoint,
     )
     from skillswarm.node.pretrain import COPY_TARGET_ACCURACY, WHOLE_WORD_SHARE
@@ -394,8 +394,10 @@ def bootstrap(
         hidden_size = DEFAULT_HIDDEN_SIZE
     if layers is None:
         layers = DEFAULT_LAYERS
-    if hidden_size % ATTENTION_HEADS:
-        _fail(ValueError(f"--hidden-size {hidden_size} is not a multiple of {ATTENTION_HEADS}"))
+    try:
+        check_model_size(hidden_size, layers)
+    except ValueError as exc:
+        _fail(exc)
     try:
         described = ", ".join(f"{d} ×{shares.get(d, 1.0):g}" for d in chosen)
         console.print(

@@ -153,7 +153,7 @@ def test_bootstrap_shares_demonstrations_by_weight_and_refuses_bad_weights(tmp_p
     assert "'code' is not one of the domains" in refused.stderr
     assert not (tmp_path / "no").exists()
     odd = _cli("bootstrap", str(tmp_path / "odd"), "--hidden-size", "66", "--eval-tasks", "0")
-    assert odd.returncode == 1 and "not a multiple of 4" in odd.stderr
+    assert odd.returncode == 1 and "size 66 is not a positive multiple of 4" in odd.stderr
     assert not (tmp_path / "odd").exists()
 
 
