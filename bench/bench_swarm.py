@@ -21,7 +21,7 @@ Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=90,code=16,search=1
 [--eval-tasks 128] [--validation-tasks N] [--seed 0] [--base DIR] [--out runs/bench-swarm]
 [--outer-lr 1] [--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer]
 [--guidance math=0.25,…] [--kl math=0.1,…] [--anchor math=1,…] [--domain-weights 0.5,1|none]
-[--keep-base-tensors PATTERN,…|none]`.
+[--domain-scale math=0.5,…|none] [--lambdas λ,…|none] [--keep-base-tensors PATTERN,…|none]`.
 Without --base it uses the embedded base shipped in the package (`skillswarm bootstrap` rebuilds
 one). `--help` prints the step budget of each arm. Exits 1 when, after the last round, the
 published model does not beat the base by --min-gain points with the paired interval above zero
@@ -115,8 +115,24 @@ def parse_domain_weights(text: str) -> list[float]:
     return weights
 
 
+def parse_domain_scale(text: str) -> dict[str, float]:
+    """`math=0.5` → {"math": 0.5}: the coordinator's domain_scale, within its bounds; `none` →
+    {} (every delta whole)."""
+    if text.strip().lower() == "none":
+        return {}
+    scale = parse_weights("--domain-scale")(text)
+    try:
+        MergePlan(domain_scale=scale)
+    except ValueError as error:  # pydantic's ValidationError is one
+        raise argparse.ArgumentTypeError(f"--domain-scale: {error}") from None
+    return scale
+
+
 def parse_lambdas(text: str) -> list[MergeSpec]:
-    """`0.75,0.5` → task arithmetic at those λs, the candidates tried beside the plan's λ 1."""
+    """`0.75,0.5` → task arithmetic at those λs, the candidates tried beside the plan's λ 1;
+    `none` → [] (λ 1 alone)."""
+    if text.strip().lower() == "none":
+        return []
     try:
         weights = [float(part) for part in text.split(",")]
         specs = [MergeSpec(method="task_arithmetic", parameters={"weight": w}) for w in weights]
@@ -266,6 +282,7 @@ class Bench:
                 domain_weights=args.domain_weights,
                 candidates=args.lambdas,
                 keep_base_tensors=args.keep_base_tensors,
+                domain_scale=args.domain_scale,
             ),
         )
         self.evaluator = Evaluator(self.config.eval)
@@ -708,10 +725,20 @@ def main() -> int:
         "--lambdas",
         type=parse_lambdas,
         default=MergePlan().candidates,
-        metavar="λ,λ,…",
+        metavar="λ,λ,…|none",
         help="task arithmetic weights tried beside the plan's λ 1 on the validation tasks (the "
-        "coordinator's [merge] candidates; default "
-        + ",".join(f"{spec.parameters['weight']:g}" for spec in MergePlan().candidates)
+        "coordinator's [merge] candidates; 'none': λ 1 alone; default "
+        + (",".join(f"{spec.parameters['weight']:g}" for spec in MergePlan().candidates) or "none")
+        + ")",
+    )
+    parser.add_argument(
+        "--domain-scale",
+        type=parse_domain_scale,
+        default=MergePlan().domain_scale,
+        metavar="DOMAIN=S,…|none",
+        help="a fixed factor on the named domains' deltas before every merge, the others "
+        "whole (the coordinator's [merge] domain_scale; 'none': every delta whole; default "
+        + (",".join(f"{d}={s:g}" for d, s in MergePlan().domain_scale.items()) or "none")
         + ")",
     )
     add_keep_base_argument(parser)

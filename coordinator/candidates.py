@@ -29,6 +29,7 @@ __all__ = [
     "mean_score",
     "merge_and_decide",
     "merge_candidates",
+    "scaled_for_domain",
 ]
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def merge_and_decide(
     experts = list(merging)
 
     def vector_of(expert: ExpertInput) -> TaskVector:
-        return kept_at_base(plan, task_vector(expert))
+        return scaled_for_domain(plan, expert.domain, kept_at_base(plan, task_vector(expert)))
 
     vectors = [vector_of(e) for e in experts]
     specs = [
@@ -227,6 +228,23 @@ def kept_at_base(plan: MergePlan, vector: TaskVector) -> TaskVector:
 
     def tensor(name: str, base: torch.Tensor) -> torch.Tensor | None:
         return None if plan.keeps_base(name) else vector.expert(name, base)
+
+    return TaskVector(name=vector.name, expert=tensor)
+
+
+def scaled_for_domain(plan: MergePlan, domain: str, vector: TaskVector) -> TaskVector:
+    """`vector` with its task vector times plan.domain_scale[domain] (the expert's tensor becomes
+    base + s·(expert − base)); `vector` itself when the plan does not scale that domain."""
+    scale = plan.domain_scale.get(domain, 1.0)
+    if scale == 1.0:
+        return vector
+
+    def tensor(name: str, base: torch.Tensor) -> torch.Tensor | None:
+        expert = vector.expert(name, base)
+        if expert is None:
+            return None
+        moved = (expert.to(torch.float32) - base.to(torch.float32)) * scale
+        return (base.to(torch.float32) + moved).to(expert.dtype)
 
     return TaskVector(name=vector.name, expert=tensor)
 

@@ -175,8 +175,8 @@ MAX_KEEP_BASE_PATTERNS = 16
 MAX_KEEP_BASE_PATTERN_CHARS = 200
 
 
-def _default_candidates() -> list[MergeSpec]:
-    return [MergeSpec(method="task_arithmetic", parameters={"weight": 0.5})]
+def _default_domain_scale() -> dict[str, float]:
+    return {"math": 0.5}
 
 
 def matches_any(tensor: str, patterns: Sequence[str]) -> bool:
@@ -190,8 +190,9 @@ class MergePlan(MergeSpec):
     With `candidates`, every spec (this one first) merges the round; the one with the best mean
     reward over eval.domains on eval.validation_seed is published, ties going to the earlier.
     The default sums the round's task vectors (task arithmetic, λ = 1: each node's delta at its
-    full size, as if the nodes' steps had been taken one after another) and tries λ = 0.5 beside
-    it (with `domain_weights`, task arithmetic with a weight per domain too); what each method
+    full size, as if the nodes' steps had been taken one after another) with math's deltas at
+    half their size (`domain_scale`), and tries no other candidate (with `candidates`, those
+    too; with `domain_weights`, task arithmetic with a weight per domain); what each method
     measured: docs/merging.md. Before any of it, the own-domain gate leaves out the deltas that
     lower their own domain's score on the validation tasks beyond noise: RL that lowers its own
     skill has nothing to give the merge, and merging it lowers that skill in the swarm; a delta
@@ -202,7 +203,7 @@ class MergePlan(MergeSpec):
     With `keep_base_tensors`, every merge leaves the tensors it names at the base's weights.
     """
 
-    candidates: list[MergeSpec] = Field(default_factory=_default_candidates)
+    candidates: list[MergeSpec] = Field(default_factory=list)
     own_domain_gate: bool = Field(
         default=True,
         description="before merging, score each delta applied alone on its own domain's "
@@ -237,6 +238,17 @@ class MergePlan(MergeSpec):
         "where math's delta wrecked it, but through the swarm bench it ended no better "
         "(docs/merging.md, 'Tensors kept at the base')",
     )
+    domain_scale: dict[str, float] = Field(
+        default_factory=_default_domain_scale,
+        max_length=MAX_WEIGHTED_DOMAINS,
+        description="a fixed factor on each named domain's deltas before every merge of the "
+        "round (the candidates, the weights per domain and the subsets of a held merge take the "
+        "scaled task vector; domains not named keep 1; the own-domain gate scores each delta "
+        "whole), so a domain whose delta costs the others is merged at part of its size without "
+        "a choice on the validation tasks. The default {math = 0.5} halves the long math rounds' "
+        "delta, which costs code, and keeps code's and search's whole; {}: every delta whole. "
+        "What it measured: docs/merging.md",
+    )
     subsets_on_hold: bool = Field(
         default=True,
         description="when the publication rule holds the merge of a round's deltas, merge "
@@ -249,9 +261,9 @@ class MergePlan(MergeSpec):
     @classmethod
     def _own_method_has_no_default_candidates(cls, data: Any) -> Any:
         """A plan that names its own method or parameters tries only the candidates it lists,
-        and weights no domain apart unless it sets domain_weights."""
+        and weights or scales no domain apart unless it sets domain_weights or domain_scale."""
         if isinstance(data, dict) and ("method" in data or "parameters" in data):
-            return {"candidates": [], "domain_weights": [], **data}
+            return {"candidates": [], "domain_weights": [], "domain_scale": {}, **data}
         return data
 
     @field_validator("keep_base_tensors")
@@ -262,6 +274,17 @@ class MergePlan(MergeSpec):
                 f"keep_base_tensors patterns must be 1 to {MAX_KEEP_BASE_PATTERN_CHARS} "
                 f"characters; got {value}"
             )
+        return value
+
+    @field_validator("domain_scale")
+    @classmethod
+    def _bounded_scales(cls, value: dict[str, float]) -> dict[str, float]:
+        for domain, scale in value.items():
+            if not 0 < len(domain) <= 64 or not 0 < scale <= MAX_DOMAIN_WEIGHT:
+                raise ValueError(
+                    f"domain_scale maps a domain name (1 to 64 characters) to a factor in "
+                    f"(0, {MAX_DOMAIN_WEIGHT}]; got {domain!r}: {scale}"
+                )
         return value
 
     def keeps_base(self, tensor: str) -> bool:
@@ -300,6 +323,12 @@ class MergePlan(MergeSpec):
                 )
             )
         return specs
+
+    def recorded(self, spec: MergeSpec) -> dict[str, Any]:
+        """`spec` as a round records its merge: the spec's fields, and this plan's domain_scale
+        beside them when it scales a domain."""
+        scale = {"domain_scale": dict(self.domain_scale)} if self.domain_scale else {}
+        return spec.model_dump() | scale
 
     def specs(self) -> list[MergeSpec]:
         """This spec and the candidates, without repeats, in order."""

@@ -89,6 +89,12 @@ function signedPoints(value) {
 }
 
 function short(id) { return id ? String(id).slice(0, 12) : "–"; }
+function methodLabel(method) {
+  if (!method || !method.method) return "–";
+  const scale = method.domain_scale && typeof method.domain_scale === "object"
+    ? Object.entries(method.domain_scale).map(([d, s]) => ", " + d + " ×" + s).join("") : "";
+  return method.method + scale;
+}
 
 function ago(iso) {
   if (!iso) return "–";
@@ -257,7 +263,7 @@ async function refresh() {
       {class: "round", "data-round": round.number},
       el("b", {}, "round " + round.number), " ",
       el("span", {class: "status-" + round.status}, round.status),
-      " · " + (round.method && round.method.method ? round.method.method : "–"),
+      " · " + methodLabel(round.method),
       " · " + (round.inputs || []).length + " deltas",
       round.trigger ? " · " + round.trigger : "",
       round.checkpoint_id ? " · checkpoint " + short(round.checkpoint_id) : "",

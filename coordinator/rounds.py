@@ -305,7 +305,7 @@ class Rounds:
             )
             row.status = RoundStatus.MERGING
             row.inputs = [d.id for d in accepted]
-            row.method = plan.specs()[0].model_dump()
+            row.method = plan.recorded(plan.specs()[0])
             row.trigger = trigger
             row.error = None
             base_id = row.base_id
@@ -334,7 +334,7 @@ class Rounds:
                 extra = {
                     "inputs": [d.id for d in accepted],
                     "evaluation": {},
-                    "merge_spec": plan.specs()[0].model_dump(),
+                    "merge_spec": plan.recorded(plan.specs()[0]),
                     "candidates": [],
                     "trigger": trigger,
                     "merge_seconds": round(time.monotonic() - started, 3),
@@ -380,7 +380,7 @@ class Rounds:
                 "inputs": [d.id for d in accepted],
                 "merged_inputs": [ids[e.label] for e in verdict.merging],
                 "evaluation": evaluation,
-                "merge_spec": chosen.model_dump(),
+                "merge_spec": plan.recorded(chosen),
                 "candidates": verdict.merged.records,
                 "trigger": trigger,
                 "merge_seconds": round(time.monotonic() - started, 3),

@@ -76,6 +76,20 @@ def _status_word(record: Mapping[str, Any]) -> str:
     return "held, not published" if status == "held" else status
 
 
+def method_label(recorded: Any) -> str:
+    """A round's recorded merge as a short label: its method, and each domain it scaled
+    ("task_arithmetic, math ×0.5")."""
+    if not isinstance(recorded, Mapping):
+        return "?"
+    label = str(recorded.get("method", "?"))
+    scale = recorded.get("domain_scale")
+    if isinstance(scale, Mapping):
+        for domain, value in scale.items():
+            number = _number(value)
+            label += f", {domain} ×{number:g}" if number is not None else f", {domain} ×?"
+    return label
+
+
 def score_rows(round_record: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, list[str]]]]:
     """(domains, rows): a row per evaluated model of the round (base, experts, merged) and per
     merge candidate tried on the validation tasks, each row the held-out success per domain with
@@ -83,7 +97,7 @@ def score_rows(round_record: Mapping[str, Any]) -> tuple[list[str], list[tuple[s
     evaluation: Mapping[str, Mapping[str, Any]] = round_record.get("evaluation") or {}
     domains = sorted({domain for scores in evaluation.values() for domain in scores})
     rows: list[tuple[str, list[str]]] = []
-    method = (round_record.get("method") or {}).get("method", "?")
+    method = method_label(round_record.get("method"))
     for label, scores in evaluation.items():
         shown = f"merged ({method}, {_status_word(round_record)})" if label == "merged" else label
         rows.append((shown, [success_cell(scores.get(d)) for d in domains]))
@@ -406,7 +420,7 @@ def write_report(
                     str(r["number"]),
                     r.get("status", "?"),
                     round_outcome(r),
-                    (r.get("method") or {}).get("method", "?"),
+                    method_label(r.get("method")),
                     r.get("trigger") or "–",
                     str(len(r.get("inputs") or [])),
                     (r.get("checkpoint_id") or "–")[:16],

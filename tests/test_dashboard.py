@@ -199,6 +199,8 @@ def test_dashboard_shows_nodes_rounds_scores_held_rounds_and_curves(
     assert round_card is not None
     card = round_card.group(0)
     assert "published" in card and "2 deltas" in card
+    assert "task_arithmetic, math ×0.5" in html.unescape(card)  # the default plan's scale
+    assert published["method"]["domain_scale"] == {"math": 0.5}
     assert "merged" in card and f"{100 * merged_success:.1f}%" in card
     assert _cell(merged_math) in card  # the rate with its interval
     assert "base" in card

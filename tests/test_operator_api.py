@@ -167,6 +167,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
         "own_domain_gate": True,
         "own_domain_gate_alpha": 0.05,
         "keep_base_tensors": [],
+        "domain_scale": {},
         "subsets_on_hold": True,
     }
     assert response.json() == plan
@@ -198,6 +199,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
         "own_domain_gate": True,
         "own_domain_gate_alpha": 0.05,
         "keep_base_tensors": [],
+        "domain_scale": {},
         "subsets_on_hold": True,
     }
 

@@ -148,7 +148,8 @@ def _coordinator(
     outer: OuterOptimizerConfig | None = None,
 ) -> Coordinator:
     """A coordinator scoring math on 24 validation tasks; the own-domain gate off unless asked,
-    so that the publication rule alone judges the merge."""
+    so that the publication rule alone judges the merge, and math's deltas merged whole (no
+    domain_scale), so that a delta's merge moves the base by the delta."""
     config = CoordinatorConfig(
         work_dir=tmp_path / "coord",
         p2p_port=0,
@@ -156,7 +157,10 @@ def _coordinator(
         round=RoundPolicy(min_deltas=quorum),
         eval=EvalConfig(domains=["math"], n_tasks=24, experts="none"),
         merge=MergePlan(
-            own_domain_gate=gate, own_domain_gate_alpha=gate_alpha, subsets_on_hold=subsets
+            own_domain_gate=gate,
+            own_domain_gate_alpha=gate_alpha,
+            subsets_on_hold=subsets,
+            domain_scale={},
         ),
         outer=outer or OuterOptimizerConfig(),
     )

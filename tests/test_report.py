@@ -20,6 +20,7 @@ from skillswarm.report import (
     Score,
     base_levels,
     expert_points,
+    method_label,
     plot_published_progress,
     published_series,
     signed_points,
@@ -156,6 +157,14 @@ def test_success_cells_and_signed_points() -> None:
     assert signed_points(0.125) == "+12.5"
     assert signed_points(-0.047) == "-4.7"
     assert signed_points(-1e-9) == "+0.0"
+
+
+def test_a_round_s_merge_is_labelled_with_the_domains_it_scaled() -> None:
+    spec = {"method": "task_arithmetic", "parameters": {"weight": 1.0}}
+    assert method_label(spec) == "task_arithmetic"
+    assert method_label(spec | {"domain_scale": {"math": 0.5}}) == "task_arithmetic, math ×0.5"
+    assert method_label(spec | {"domain_scale": {"code": "x"}}) == "task_arithmetic, code ×?"
+    assert method_label(None) == "?" and method_label({}) == "?"
 
 
 def test_published_series_carries_the_value_over_a_held_round() -> None:

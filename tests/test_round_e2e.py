@@ -27,7 +27,9 @@ def _node_expert(node_dir: Path, base: dict[str, torch.Tensor]) -> dict[str, tor
     return {n: t if (e := reader.expert(n, t)) is None else e for n, t in base.items()}
 
 
-def _mergekit_task_arithmetic(base_dir: Path, experts: list[dict], work: Path) -> dict:
+def _mergekit_task_arithmetic(
+    base_dir: Path, experts: list[dict], work: Path, weight: float = 1.0
+) -> dict:
     from mergekit.config import MergeConfiguration
     from mergekit.merge import MergeOptions, run_merge
 
@@ -37,7 +39,7 @@ def _mergekit_task_arithmetic(base_dir: Path, experts: list[dict], work: Path) -
         expert.mkdir(parents=True)
         (expert / "config.json").write_text((base_dir / "config.json").read_text())
         save_file(tensors, expert / "model.safetensors", metadata={"format": "pt"})
-        models.append({"model": str(expert), "parameters": {"weight": 1.0}})
+        models.append({"model": str(expert), "parameters": {"weight": weight}})
     config = MergeConfiguration.model_validate(
         {
             "merge_method": "task_arithmetic",
@@ -101,11 +103,16 @@ def test_one_round_two_nodes_end_to_end(tmp_path: Path, tiny_base: Path) -> None
     base = dict(iter_base_tensors(tiny_base))
     experts = [_node_expert(tmp_path / f"node-{i}", base) for i in range(2)]
     assert any(not torch.equal(experts[0][n], base[n]) for n in base)  # training moved weights
-    expected = _mergekit_task_arithmetic(tiny_base, experts, tmp_path / "reference")
+    # The default plan: task arithmetic at λ 1, math's deltas at half size, which mergekit-yaml
+    # writes as a weight of 0.5 on each (equal up to float32 rounding of the scaled deltas).
+    assert round_one["method"]["domain_scale"] == {"math": 0.5}
+    expected = _mergekit_task_arithmetic(tiny_base, experts, tmp_path / "reference", weight=0.5)
     merged = load_file(pulled / "model.safetensors")
     assert set(merged) == set(expected)
     for name, tensor in merged.items():
-        assert torch.equal(tensor, expected[name]), name
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
+        if not torch.equal(experts[0][name], base[name]):
+            assert not torch.allclose(tensor, base[name], rtol=0, atol=1e-9), name
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

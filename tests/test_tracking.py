@@ -18,9 +18,10 @@ import pytest
 from delta_helpers import current_base_tensors, hand_in_delta, noisy
 from skillswarm.agent.envs import get_environment
 from skillswarm.agent.model import load_policy
-from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, RoundPolicy
+from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan, RoundPolicy
 from skillswarm.coordinator.rounds import round_scores
 from skillswarm.coordinator.service import Coordinator
+from skillswarm.merge.methods import MergeSpec
 from skillswarm.node.config import NodeConfig
 from skillswarm.node.daemon import NodeDaemon
 from skillswarm.node.metrics import (
@@ -403,6 +404,9 @@ def test_the_coordinator_logs_each_decided_rounds_scores(tmp_path: Path, tiny_ba
         base_checkpoint=tiny_base,
         eval=EvalConfig(n_tasks=1, experts="own"),
         round=RoundPolicy(min_deltas=1),
+        merge=MergePlan(
+            candidates=[MergeSpec(method="task_arithmetic", parameters={"weight": 0.5})]
+        ),
         tracking={"backend": "tensorboard"},
     )
     c = Coordinator(config)
