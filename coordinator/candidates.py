@@ -243,8 +243,8 @@ def scaled_for_domain(plan: MergePlan, domain: str, vector: TaskVector) -> TaskV
         expert = vector.expert(name, base)
         if expert is None:
             return None
-        moved = (expert.to(torch.float32) - base.to(torch.float32)) * scale
-        return (base.to(torch.float32) + moved).to(expert.dtype)
+        base32 = base.to(torch.float32)
+        return (base32 + (expert.to(torch.float32) - base32) * scale).to(expert.dtype)
 
     return TaskVector(name=vector.name, expert=tensor)
 

@@ -4,11 +4,18 @@ gossip announcement whose blobs are already where a fetch would have put them.""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
-from skillswarm.coordinator.evaluation import ExpertInput
+from safetensors.torch import load_file
+from skillswarm.coordinator.candidates import merge_and_decide
+from skillswarm.coordinator.config import EvalConfig, MergePlan
+from skillswarm.coordinator.evaluation import Evaluator, ExpertInput
+from skillswarm.coordinator.publication import Decision
 from skillswarm.coordinator.service import Coordinator
 from skillswarm.coordinator.store import DeltaRecord
+from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
+from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.delta import DeltaReader, pack_delta
@@ -40,6 +47,26 @@ def expert_inputs(
         )
         experts.append(ExpertInput(f"expert:{domain}", domain, DeltaReader(manifest, blobs)))
     return experts
+
+
+def merged_by(
+    plan: MergePlan, base_dir: Path, experts: list[ExpertInput], work: Path
+) -> dict[str, torch.Tensor]:
+    """The tensors of the round-1 checkpoint `plan` merges `experts` into on `base_dir`: math
+    scored on 2 validation tasks, an identity outer step, and a rule that publishes anything."""
+    verdict = merge_and_decide(
+        plan,
+        Evaluator(EvalConfig(domains=["math"], n_tasks=2)),
+        OuterOptimizer(work / "outer", OuterOptimizerConfig()),
+        "b" * 64,
+        base_dir,
+        experts,
+        work / "merge",
+        1,
+        lambda scores: Decision(True, "published"),
+        lambda e: TaskVector(name=e.domain, expert=e.reader.expert),
+    )
+    return load_file(verdict.candidate_dir / "model.safetensors")
 
 
 def current_base_tensors(c: Coordinator) -> dict[str, torch.Tensor]:

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from delta_helpers import expert_inputs, noisy
+from delta_helpers import expert_inputs, merged_by, noisy
 from pydantic import ValidationError
-from safetensors.torch import load_file
-from skillswarm.coordinator.candidates import merge_and_decide, scaled_for_domain
-from skillswarm.coordinator.config import EvalConfig, MergePlan
-from skillswarm.coordinator.evaluation import Evaluator
-from skillswarm.coordinator.publication import Decision
-from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
+from skillswarm.coordinator.candidates import scaled_for_domain
+from skillswarm.coordinator.config import MergePlan
 from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
@@ -59,19 +55,7 @@ def test_a_merge_takes_each_domain_s_delta_at_its_scale(tmp_path, tiny_base):
     plan = MergePlan(
         method="task_arithmetic", parameters={"weight": 1.0}, domain_scale={"math": 0.5}
     )
-    verdict = merge_and_decide(
-        plan,
-        Evaluator(EvalConfig(domains=["math"], n_tasks=2)),
-        OuterOptimizer(tmp_path / "outer", OuterOptimizerConfig()),
-        "b" * 64,
-        tiny_base,
-        experts,
-        tmp_path / "work",
-        1,
-        lambda scores: Decision(True, "published"),
-        lambda e: TaskVector(name=e.domain, expert=e.reader.expert),
-    )
-    merged = load_file(verdict.candidate_dir / "model.safetensors")
+    merged = merged_by(plan, tiny_base, experts, tmp_path / "work")
     for name, tensor in base.items():
         expected = tensor + 0.5 * (tuned["math"][name] - tensor) + (tuned["code"][name] - tensor)
         assert torch.allclose(merged[name], expected, atol=1e-6), name

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from delta_helpers import expert_inputs, noisy
+from delta_helpers import expert_inputs, merged_by, noisy
 from pydantic import ValidationError
 from safetensors.torch import load_file
-from skillswarm.coordinator.candidates import gate_by_own_domain, merge_and_decide
+from skillswarm.coordinator.candidates import gate_by_own_domain
 from skillswarm.coordinator.config import EvalConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, expert_folder
-from skillswarm.coordinator.publication import Decision
-from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
-from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.identity import load_or_create_identity
@@ -50,19 +47,7 @@ def test_a_merge_leaves_the_kept_tensors_at_the_base_and_sums_the_rest(tmp_path,
     tuned = {domain: noisy(base, seed=i, scale=1e-3) for i, domain in enumerate(("math", "code"))}
     experts = expert_inputs(base, tuned, blobs, key)
     plan = MergePlan(method="task_arithmetic", parameters={"weight": 1.0}, keep_base_tensors=keep)
-    verdict = merge_and_decide(
-        plan,
-        Evaluator(EvalConfig(domains=["math"], n_tasks=2)),
-        OuterOptimizer(tmp_path / "outer", OuterOptimizerConfig()),
-        "b" * 64,
-        tiny_base,
-        experts,
-        tmp_path / "work",
-        1,
-        lambda scores: Decision(True, "published"),
-        lambda e: TaskVector(name=e.domain, expert=e.reader.expert),
-    )
-    merged = load_file(verdict.candidate_dir / "model.safetensors")
+    merged = merged_by(plan, tiny_base, experts, tmp_path / "work")
     kept = [name for name in base if plan.keeps_base(name)]
     assert kept == ([] if keep == [] else [EMBEDDING])
     for name, tensor in base.items():
