@@ -20,7 +20,8 @@ from skillswarm.agent.evaluate import evaluate_checkpoint
 from skillswarm.agent.model import load_policy, set_torch_threads
 from skillswarm.agent.stats import paired_difference
 
-DOMAINS = ("math", "code", "search")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_swarm import DOMAINS  # noqa: E402 (the bench folder is no package)
 
 
 def scores(policy: Any, n_tasks: int, seed: int) -> dict[str, list[float]]:
