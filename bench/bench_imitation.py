@@ -5,10 +5,12 @@ with greedy held-out success on every domain scored at the base and at --checks 
 run, each with its paired difference from the base (bootstrap interval) on the same tasks.
 
 Run: `python bench/bench_imitation.py [--domains search] [--weights 1,…] [--steps 300]
-[--checks 3] [--batch-size 16] [--learning-rate 0.0015] [--eval-tasks 512] [--eval-seed 1]
-[--seed 7] [--base DIR] [--json FILE]`. Without --base it starts from the embedded base shipped
-in the package. A node trains by RL, not by this; the bench measures what the solutions alone
-teach, beside what RL from the same base gains (bench_learning.py).
+[--checks 3] [--rounds 1] [--batch-size 16] [--learning-rate 0.0015] [--eval-tasks 512]
+[--eval-seed 1] [--seed 7] [--base DIR] [--json FILE]`. Without --base it starts from the
+embedded base shipped in the package. With --rounds R it runs R × --steps, each run with a fresh
+optimizer and schedule, as a node's imitation before RL restarts every round (`node.imitation`).
+It measures what the solutions alone teach, beside what RL from the same base gains
+(bench_learning.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ def main() -> int:
     )
     parser.add_argument("--steps", type=int, default=300, help="supervised steps")
     parser.add_argument("--checks", type=int, default=3, help="held-out scorings along the run")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of --steps one after another, each with a fresh optimizer and schedule and "
+        "its own demonstrations (--seed + round), as a node's imitation restarts every round; "
+        "above 1, every domain is scored after each run instead of --checks times",
+    )
     parser.add_argument("--batch-size", type=int, default=DEFAULT_WARM_START_BATCH_SIZE)
     parser.add_argument("--learning-rate", type=float, default=DEFAULT_WARM_START_LR)
     parser.add_argument("--eval-tasks", type=int, default=512, help="held-out tasks per domain")
@@ -56,6 +66,10 @@ def main() -> int:
         parser.error(f"--weights gives {len(weights)} shares for {len(domains)} domains")
     if args.steps < 1 or not 1 <= args.checks <= args.steps or args.eval_tasks < 1:
         parser.error("--steps ≥ 1, 1 ≤ --checks ≤ --steps and --eval-tasks ≥ 1")
+    if args.rounds < 1:
+        parser.error("--rounds ≥ 1")
+    if args.rounds > 1:
+        args.checks = 1
     if args.base is None:
         from skillswarm.node.bootstrap import embedded_base
 
@@ -65,7 +79,7 @@ def main() -> int:
     started = time.perf_counter()
     base = scores((model, tokenizer), args.eval_tasks, args.eval_seed)
     print(
-        f"imitating {', '.join(domains)} from {args.base}: {args.steps} steps of "
+        f"imitating {', '.join(domains)} from {args.base}: {args.rounds} × {args.steps} steps of "
         f"{args.batch_size} demonstrations at lr {args.learning_rate:g}; greedy on "
         f"{args.eval_tasks} held-out tasks per domain (seed {args.eval_seed}), points against "
         "the base with the paired 95% interval",
@@ -76,27 +90,32 @@ def main() -> int:
     check_at = {every * (i + 1) for i in range(args.checks - 1)} | {args.steps}
     results: dict[str, Any] = {"args": {**vars(args), "base": str(args.base)}, "base": base}
 
+    done = 0  # steps of the earlier rounds
+
     def on_step(step: int, loss: float) -> None:
         if step not in check_at:
             return
         model.eval()
         now = scores((model, tokenizer), args.eval_tasks, args.eval_seed)
         model.train()
-        results[f"step-{step}"] = {"loss": loss, "scores": now}
+        results[f"step-{done + step}"] = {"loss": loss, "scores": now}
         minutes = (time.perf_counter() - started) / 60
-        print(row(f"step {step}", base, now) + f"  loss {loss:.3f}  {minutes:.1f} min", flush=True)
+        label = f"step {done + step}"
+        print(row(label, base, now) + f"  loss {loss:.3f}  {minutes:.1f} min", flush=True)
 
-    supervised_warm_start(
-        model,
-        tokenizer,
-        [get_environment(d) for d in domains],
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.learning_rate,
-        seed=args.seed,
-        weights=weights,
-        on_step=on_step,
-    )
+    for number in range(args.rounds):
+        supervised_warm_start(
+            model,
+            tokenizer,
+            [get_environment(d) for d in domains],
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.learning_rate,
+            seed=args.seed + number,
+            weights=weights,
+            on_step=on_step,
+        )
+        done += args.steps
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
     return 0

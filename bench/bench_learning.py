@@ -238,6 +238,8 @@ def _with_overrides(recipe: RLConfig, args: argparse.Namespace) -> RLConfig:
         settings["guidance"] = args.guidance
     if args.seed is not None:
         settings["seed"] = args.seed
+    if args.imitation_steps is not None:
+        settings["imitation"]["steps"] = args.imitation_steps
     for option in args.loss:
         name, separator, value = option.partition("=")
         if not separator or name.strip() not in LossConfig.model_fields:
@@ -296,6 +298,11 @@ def main() -> int:
         "--guidance",
         type=float,
         help="weight of the solver's episode in a group that failed, 0 off (all domains)",
+    )
+    parser.add_argument(
+        "--imitation-steps",
+        type=int,
+        help="supervised steps on the solutions before RL, 0 off (all domains; node.imitation)",
     )
     parser.add_argument("--seed", type=int, help="training seed (the recipe's, 0)")
     parser.add_argument(

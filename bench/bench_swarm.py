@@ -20,7 +20,8 @@ per domain per round for every arm) and `results.json` into --out.
 Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=90,code=16,search=10]
 [--eval-tasks 512] [--validation-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm]
 [--outer-lr 1] [--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer]
-[--guidance math=0.25,…] [--kl math=0.1,…] [--anchor math=1,…] [--domain-weights 0.5,1|none]
+[--guidance math=0.25,…] [--kl math=0.1,…] [--anchor math=1,…] [--imitation search=N,…]
+[--imitation-lr search=LR,…] [--domain-weights 0.5,1|none]
 [--domain-scale math=0.5,…|none] [--lambdas λ,…|none] [--keep-base-tensors PATTERN,…|none]`.
 Without --base it uses the embedded base shipped in the package (`skillswarm bootstrap` rebuilds
 one). `--help` prints the step budget of each arm. Exits 1 when, after the last round, the
@@ -207,6 +208,7 @@ def train_steps(
     guidance: float | None = None,
     kl_coef: float | None = None,
     anchor: float | None = None,
+    imitation: tuple[int | None, float | None] = (None, None),
     reference: Any = None,
 ) -> tuple[list[dict[str, float]], torch.optim.Optimizer]:
     """`steps` RL steps of `domain`'s recipe on `model` (in place). With `optimizer`, training
@@ -214,7 +216,8 @@ def train_steps(
     optimizer starts from the state an earlier round saved there when there is one, and its state
     is saved there at the end for round `round_number`, as a node's with keep_optimizer_state.
     `guidance` and `kl_coef`, when given, replace the recipe's; so does `anchor`, the weight of
-    a KL anchor on the other domains' episodes (`node.anchor`, the other two of DOMAINS). With
+    a KL anchor on the other domains' episodes (`node.anchor`, the other two of DOMAINS), and
+    `imitation`'s (steps, learning rate), the supervised steps before RL (`node.imitation`). With
     a KL term, `reference` is the model it is measured against (default: a frozen copy of
     `model` as it starts, the round's base as a node keeps it). Returns the history and the
     optimizer."""
@@ -227,6 +230,15 @@ def train_steps(
     if anchor is not None:
         update["anchor"] = recipe.anchor.model_copy(
             update={"coef": anchor, "domains": [d for d in DOMAINS if d != domain]}
+        )
+    steps_first, rate = imitation
+    if steps_first is not None or rate is not None:
+        update["imitation"] = recipe.imitation.model_copy(
+            update={
+                key: value
+                for key, value in (("steps", steps_first), ("learning_rate", rate))
+                if value is not None
+            }
         )
     if synchronous:
         update["max_staleness"] = 0
@@ -243,6 +255,13 @@ def train_steps(
         save_optimizer_state(carried, run.trainer.optimizer, domain=domain, round=round_number)
     model.eval()
     return history, run.trainer.optimizer
+
+
+def imitation_of(args: argparse.Namespace, domain: str) -> tuple[int | None, float | None]:
+    """`domain`'s (imitation steps, learning rate) from --imitation and --imitation-lr (None:
+    the recipe's)."""
+    steps = args.imitation.get(domain)
+    return (None if steps is None else int(steps)), args.imitation_lr.get(domain)
 
 
 def frozen_copy(model: Any) -> Any:
@@ -344,6 +363,7 @@ class Bench:
                     guidance=args.guidance.get(domain),
                     kl_coef=args.kl.get(domain),
                     anchor=args.anchor.get(domain),
+                    imitation=imitation_of(args, domain),
                 )
             self.arms["experts"].rounds[number] = {
                 d: self.score(experts[d], (d,))[d] for d in DOMAINS
@@ -363,6 +383,8 @@ class Bench:
                             synchronous=True,
                             guidance=args.guidance.get(domain),
                             kl_coef=args.kl.get(domain),
+                            # A node's imitation steps, once a round, before its first RL step.
+                            imitation=imitation_of(args, domain) if step == 0 else (0, None),
                             reference=mixed_reference,
                         )
             self.arms["mixed"].rounds[number] = self.score(mixed)
@@ -401,6 +423,7 @@ class Bench:
                 guidance=self.args.guidance.get(domain),
                 kl_coef=self.args.kl.get(domain),
                 anchor=self.args.anchor.get(domain),
+                imitation=imitation_of(self.args, domain),
                 round_number=number,
             )
             state = model.state_dict()
@@ -578,6 +601,8 @@ class Bench:
                 "guidance": self.args.guidance,
                 "kl": self.args.kl,
                 "anchor": self.args.anchor,
+                "imitation": self.args.imitation,
+                "imitation_lr": self.args.imitation_lr,
             },
             "arms": {
                 name: {str(r): compact(rows) for r, rows in arm.rounds.items()}
@@ -719,6 +744,27 @@ def main() -> int:
             + ")",
         )
     parser.add_argument(
+        "--imitation",
+        type=parse_weights("--imitation"),
+        default={},
+        metavar="N|DOMAIN=N,…",
+        help="supervised steps on the domain's solutions before each round's RL "
+        "(node.imitation; 0: off), for every domain or the domains named; the others keep "
+        "their recipe's ("
+        + ", ".join(f"{d} {recipe_for(d).imitation.steps}" for d in DOMAINS)
+        + "). Nodes and experts take them every round, the mixed model before its first step "
+        "of each domain in a round",
+    )
+    parser.add_argument(
+        "--imitation-lr",
+        type=parse_weights("--imitation-lr"),
+        default={},
+        metavar="LR|DOMAIN=LR,…",
+        help="the imitation steps' learning rate (recipes: "
+        + ", ".join(f"{d} {recipe_for(d).imitation.learning_rate:g}" for d in DOMAINS)
+        + ")",
+    )
+    parser.add_argument(
         "--domain-weights",
         type=parse_domain_weights,
         default=MergePlan().domain_weights,
@@ -767,6 +813,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.rounds < 1 or args.eval_tasks < 1 or (args.validation_tasks or 1) < 1:
         parser.error("--rounds, --eval-tasks and --validation-tasks must be at least 1")
+    if any(n != int(n) for n in args.imitation.values()) or 0 in args.imitation_lr.values():
+        parser.error("--imitation takes whole steps and --imitation-lr rates above 0")
     if args.base is None:
         from skillswarm.node.bootstrap import embedded_base
 
@@ -776,9 +824,17 @@ def main() -> int:
     args.out.mkdir(parents=True)
     set_torch_threads(1)
     budget = args.rounds * sum(args.steps.values())
+    given = {d: imitation_of(args, d)[0] for d in DOMAINS}
+    imitation = {
+        d: recipe_for(d).imitation.steps if steps is None else steps for d, steps in given.items()
+    }
+    imitation = {d: steps for d, steps in imitation.items() if steps}
+    supervised = args.rounds * sum(imitation.values())
     print(
         f"{args.rounds} rounds; steps per round {args.steps}; every trained arm spends {budget} "
-        f"RL steps; {args.eval_tasks} held-out tasks per domain; base {args.base}",
+        f"RL steps"
+        + (f" and {supervised} imitation steps ({imitation} a round)" if supervised else "")
+        + f"; {args.eval_tasks} held-out tasks per domain; base {args.base}",
         flush=True,
     )
     return Bench(args).run()

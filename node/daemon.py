@@ -691,6 +691,11 @@ def training_summary(config: NodeConfig) -> str:
     )
     if train.loss.kl_coef > 0:
         settings += f", KL to the round's base {train.loss.kl_coef:g}"
+    if train.imitation.active:
+        settings += (
+            f", {train.imitation.steps} imitation steps at lr {train.imitation.learning_rate:g} "
+            "first"
+        )
     if train.guidance > 0:
         settings += f", guidance {train.guidance:g}"
     if train.anchor.active:

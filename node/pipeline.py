@@ -43,6 +43,7 @@ from skillswarm.node.checkpointing import (
     save_training_checkpoint,
 )
 from skillswarm.node.guidance import guide_unsolved_groups
+from skillswarm.node.imitation import ImitationConfig, imitate
 from skillswarm.node.loss import LossConfig
 from skillswarm.node.metrics import MetricsLogger, StalenessHistogram, StepTracker, read_metrics
 from skillswarm.node.train import PolicyGradientTrainer
@@ -74,6 +75,11 @@ class RLConfig(BaseModel):
     anchor: AnchorConfig = Field(
         default_factory=AnchorConfig,
         description="a KL term to the round's base on other domains' episodes (`node.anchor`)",
+    )
+    imitation: ImitationConfig = Field(
+        default_factory=ImitationConfig,
+        description="supervised steps on the domain's solutions before the run's RL "
+        "(`node.imitation`)",
     )
     guidance: float = Field(
         default=0.0,
@@ -280,7 +286,9 @@ class AsyncRLRun:
     each step's metrics also go to `metrics_path` (JSONL) and `tracker` when given.
     `tool_call_format` names the rollouts' tool-call format (None: the chat template's).
     With `config.loss.kl_coef` above 0 the KL term is measured against `reference_model`, or,
-    when none is given, a frozen copy of `model` as the run starts."""
+    when none is given, a frozen copy of `model` as the run starts. With `config.imitation` on,
+    a run that starts fresh first takes supervised steps on the environment's solutions
+    (`node.imitation`)."""
 
     def __init__(
         self,
@@ -326,6 +334,7 @@ class AsyncRLRun:
             guidance_weight=config.guidance or 1.0,
         )
         self.backend = backend or HFBackend(copy.deepcopy(model).eval(), tokenizer)
+        self.imitation_losses: list[float] = []
         self.stop_requested = threading.Event()
 
     def request_stop(self) -> None:
@@ -390,6 +399,12 @@ class AsyncRLRun:
                 ", ".join(config.anchor.domains),
                 config.anchor.per_step,
                 config.anchor.coef,
+            )
+        if start_step == 0 and config.imitation.active:
+            # After the anchor's episodes and the KL reference: both hold the round's base. A
+            # resumed run's checkpoint already holds the imitation.
+            self.imitation_losses = imitate(
+                self.model, self.tokenizer, self.env, config.imitation, seed=config.seed
             )
         self._push_weights(version)
         # Weights reach the backend every k steps, so they lag the trainer by up to k - 1 versions:

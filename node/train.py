@@ -11,9 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from skillswarm.agent.envs.base import Environment
+from skillswarm.agent.envs.base import Environment, Message
 from skillswarm.agent.inference import cache_keyword_for, common_prefix_length
 from skillswarm.agent.rollout import ConversationTokens, Episode, tokenize_demonstration
+from skillswarm.node.guidance import NO_SOLUTION_ERRORS
 from skillswarm.node.loss import (
     LOSS_METRICS,
     LossConfig,
@@ -182,6 +183,25 @@ def check_mix_weights(weights: Sequence[float], count: int) -> None:
         raise ValueError(f"weights must be finite, not negative, and not all 0: {list(weights)}")
 
 
+# Training tasks drawn in a row without a solution before imitation gives up on a domain.
+SOLUTION_TRIES = 64
+
+
+def _solved_task(env: Environment, rng: random.Random) -> list[Message]:
+    """The solution of a training task drawn with `rng`; tasks the environment has no solution
+    for (`NO_SOLUTION_ERRORS`) are skipped, up to SOLUTION_TRIES in a row."""
+    for _ in range(SOLUTION_TRIES):
+        (task,) = env.tasks("train", 1, seed=rng.randrange(2**62))
+        try:
+            return env.solve(task)
+        except NO_SOLUTION_ERRORS:
+            continue
+    raise ValueError(
+        f"{env.name}: none of {SOLUTION_TRIES} training tasks drawn in a row has a solution, so "
+        "its solutions cannot be imitated"
+    )
+
+
 def supervised_warm_start(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -202,7 +222,8 @@ def supervised_warm_start(
 
     Each batch's slots go to the environments in turn; with `weights` (one per environment),
     in proportion to them over the whole run (smooth weighted round robin). `on_step(step, loss)`
-    is called after each step (step counts from 1)."""
+    is called after each step (step counts from 1). Tasks the environment has no solution for
+    are skipped."""
     if not envs:
         raise ValueError("supervised_warm_start needs at least one environment")
     if weights is not None:
@@ -243,9 +264,8 @@ def supervised_warm_start(
             by_env: dict[int, list[ConversationTokens]] = {}
             for slot in range(batch_size):
                 env = env_for(slot)
-                (task,) = env.tasks("train", 1, seed=rng.randrange(2**62))
                 by_env.setdefault(id(env), []).append(
-                    tokenize_demonstration(tokenizer, env.solve(task), schemas[id(env)])
+                    tokenize_demonstration(tokenizer, _solved_task(env, rng), schemas[id(env)])
                 )
             # One forward/backward per environment: its demonstrations share the system prompt
             # (computed once) and pad only to each other. The gradients add up to those of the
@@ -261,6 +281,7 @@ def supervised_warm_start(
                 )
                 prefix = shared_prefix_length(sequences, masks)
                 logprobs = token_logprobs(model, input_ids, attention_mask, shared_prefix=prefix)
+                loss_mask = loss_mask.to(logprobs.device)
                 part = -(logprobs * loss_mask).sum() / max(1, total_tokens)
                 part.backward()
                 loss_sum += part.item()

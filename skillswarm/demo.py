@@ -30,6 +30,7 @@ from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePl
 from skillswarm.merge.methods import MergeSpec
 from skillswarm.node.bootstrap import embedded_base
 from skillswarm.node.config import NodeConfig
+from skillswarm.node.imitation import ImitationConfig
 from skillswarm.node.pipeline import RLConfig
 from skillswarm.protocol.tomlconfig import write_toml_config
 
@@ -108,12 +109,23 @@ DOMAINS: tuple[str, ...] = ("math", "code", "search")
 @dataclass(frozen=True)
 class DemoSettings:
     """How big a demo run is: rounds, RL steps per node per round (None: each domain's recipe),
-    held-out tasks per domain, and the coordinator's merge plan (None: its default)."""
+    held-out tasks per domain, the coordinator's merge plan (None: its default), and whether the
+    nodes take their recipes' imitation steps before RL (`node.imitation`)."""
 
     rounds: int
     steps: int | None
     eval_tasks: int
     merge: MergePlan | None = None
+    imitation: bool = True
+
+    def train(self) -> RLConfig | None:
+        """The [train] fields every node sets over its recipe (None: the recipe as it is)."""
+        fields: dict[str, object] = {}
+        if self.steps is not None:
+            fields["steps"] = self.steps
+        if not self.imitation:
+            fields["imitation"] = ImitationConfig(steps=0)
+        return RLConfig(**fields) if fields else None
 
 
 # The full demo: rounds of each domain's recipe (about a minute of training a round on 2 cores)
@@ -124,10 +136,11 @@ FULL_EVAL_TASKS = 128
 
 def demo_settings(quick: bool, steps: int | None, eval_tasks: int | None) -> DemoSettings:
     """The full demo, which shows the published model learning round after round, or `--quick`:
-    two rounds of two RL steps per node and a few evaluation tasks, which shows the machinery
-    (training, deltas over libp2p, merging, evaluation, publication) and not learning."""
+    two rounds of two RL steps per node without imitation and a few evaluation tasks, which
+    shows the machinery (training, deltas over libp2p, merging, evaluation, publication) and not
+    learning."""
     if quick:
-        return DemoSettings(2, steps or 2, eval_tasks or 6)
+        return DemoSettings(2, steps or 2, eval_tasks or 6, imitation=False)
     return DemoSettings(FULL_ROUNDS, steps, eval_tasks or FULL_EVAL_TASKS)
 
 
@@ -213,7 +226,7 @@ def run_demo(
         workdir,
         base,
         len(DOMAINS),
-        None if settings.steps is None else RLConfig(steps=settings.steps),
+        settings.train(),
         settings.eval_tasks,
         domains=DOMAINS,
         rounds=settings.rounds,

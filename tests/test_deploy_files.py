@@ -270,6 +270,10 @@ def test_every_deploy_config_validates():
     # The CPU recipes' guidance and KL term are measured on the embedded base only.
     assert gpu_node.train.guidance == 0.0
     assert gpu_node.train.loss.kl_coef == 0.0
+    # ... and so are the search recipe's imitation steps, whatever domain the node is set to.
+    raw = tomllib.loads((DEPLOY / "configs" / "node-gpu.toml").read_text())
+    for domain in ("math", "code", "search"):
+        assert not NodeConfig.model_validate({**raw, "domain": domain}).train.imitation.active
 
 
 # -- compose ---------------------------------------------------------------------------------
