@@ -18,7 +18,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field
 from skillswarm.agent.envs import Environment
-from skillswarm.node.train import supervised_warm_start
+from skillswarm.node.train import NoSolutionsError, supervised_warm_start
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -47,19 +47,25 @@ def imitate(
     seed: int,
 ) -> list[float]:
     """`config.steps` supervised steps on `env`'s solutions of training tasks drawn with `seed`
-    (in place), logged with their first and last loss; returns the loss of each step."""
+    (in place), logged with their first and last loss; returns the loss of each step. An
+    environment that gives no solutions (a questions file, a verifiers taskset) is not imitated:
+    a warning, and the run goes on to its RL."""
     if not config.active:
         return []
     started = time.perf_counter()
-    losses = supervised_warm_start(
-        model,
-        tokenizer,
-        [env],
-        steps=config.steps,
-        batch_size=config.batch_size,
-        lr=config.learning_rate,
-        seed=seed,
-    )
+    try:
+        losses = supervised_warm_start(
+            model,
+            tokenizer,
+            [env],
+            steps=config.steps,
+            batch_size=config.batch_size,
+            lr=config.learning_rate,
+            seed=seed,
+        )
+    except NoSolutionsError as error:
+        logger.warning("imitation skipped, RL goes on: %s", error)
+        return []
     logger.info(
         "imitation: %d steps of %d %s solutions at lr %g, loss %.3f → %.3f, %.1f s",
         config.steps,

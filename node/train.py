@@ -187,6 +187,10 @@ def check_mix_weights(weights: Sequence[float], count: int) -> None:
 SOLUTION_TRIES = 64
 
 
+class NoSolutionsError(ValueError):
+    """Raised when an environment gives no solution for SOLUTION_TRIES training tasks in a row."""
+
+
 def _solved_task(env: Environment, rng: random.Random) -> list[Message]:
     """The solution of a training task drawn with `rng`; tasks the environment has no solution
     for (`NO_SOLUTION_ERRORS`) are skipped, up to SOLUTION_TRIES in a row."""
@@ -196,7 +200,7 @@ def _solved_task(env: Environment, rng: random.Random) -> list[Message]:
             return env.solve(task)
         except NO_SOLUTION_ERRORS:
             continue
-    raise ValueError(
+    raise NoSolutionsError(
         f"{env.name}: none of {SOLUTION_TRIES} training tasks drawn in a row has a solution, so "
         "its solutions cannot be imitated"
     )

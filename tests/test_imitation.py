@@ -16,6 +16,7 @@ from skillswarm.node.pipeline import AsyncRLRun, RLConfig
 from skillswarm.node.recipes import recipe_for
 from skillswarm.node.train import (
     SOLUTION_TRIES,
+    NoSolutionsError,
     right_padded,
     supervised_warm_start,
     token_logprobs,
@@ -131,7 +132,7 @@ def test_the_warm_start_skips_tasks_without_a_solution(math_tokenizer):
         _small_model(math_tokenizer), math_tokenizer, [env], steps=2, batch_size=4, lr=1e-3, seed=0
     )
     assert len(losses) == 2 and env.asked == 3 * 2 * 4
-    with pytest.raises(ValueError, match="cannot be imitated"):
+    with pytest.raises(NoSolutionsError, match="cannot be imitated"):
         supervised_warm_start(
             _small_model(math_tokenizer),
             math_tokenizer,
@@ -142,6 +143,21 @@ def test_the_warm_start_skips_tasks_without_a_solution(math_tokenizer):
             seed=0,
         )
     assert SOLUTION_TRIES >= 16
+
+
+def test_a_domain_without_solutions_is_not_imitated_and_its_rl_goes_on(
+    math_tokenizer, caplog: pytest.LogCaptureFixture
+):
+    run = AsyncRLRun(
+        _small_model(math_tokenizer),
+        math_tokenizer,
+        _PartlySolvedMath(every=0),
+        _config(imitation={"steps": 3}),
+    )
+    with caplog.at_level("WARNING", logger="skillswarm.node.imitation"):
+        history = run.run()
+    assert run.imitation_losses == [] and len(history) == 1  # no imitation; the RL step ran
+    assert "imitation skipped" in caplog.text and "cannot be imitated" in caplog.text
 
 
 def test_the_summary_names_the_imitation_steps():
