@@ -568,7 +568,10 @@ def demo(
     workdir: Annotated[Path, typer.Option(help="run folder")] = Path("runs/demo"),
     quick: Annotated[
         bool,
-        typer.Option("--quick", help="two rounds of 2 RL steps: shows the machinery, not learning"),
+        typer.Option(
+            "--quick",
+            help="two rounds of 2 RL steps, no imitation: shows the machinery, not learning",
+        ),
     ] = False,
     steps: Annotated[
         int | None,
