@@ -732,6 +732,14 @@ def main() -> int:
             "(node.anchor; the mixed model, which trains on all of them, has none)",
             lambda r: r.anchor.coef,
         ),
+        (
+            "--imitation",
+            "N",
+            "supervised steps on the domain's solutions before each round's RL "
+            "(node.imitation; nodes and experts every round, the mixed model before its first "
+            "step of each domain in a round)",
+            lambda r: r.imitation.steps,
+        ),
     ):
         parser.add_argument(
             option,
@@ -743,18 +751,6 @@ def main() -> int:
             + ", ".join(f"{d} {recipe_value(recipe_for(d)):g}" for d in DOMAINS)
             + ")",
         )
-    parser.add_argument(
-        "--imitation",
-        type=parse_weights("--imitation"),
-        default={},
-        metavar="N|DOMAIN=N,…",
-        help="supervised steps on the domain's solutions before each round's RL "
-        "(node.imitation; 0: off), for every domain or the domains named; the others keep "
-        "their recipe's ("
-        + ", ".join(f"{d} {recipe_for(d).imitation.steps}" for d in DOMAINS)
-        + "). Nodes and experts take them every round, the mixed model before its first step "
-        "of each domain in a round",
-    )
     parser.add_argument(
         "--imitation-lr",
         type=parse_weights("--imitation-lr"),
@@ -824,11 +820,11 @@ def main() -> int:
     args.out.mkdir(parents=True)
     set_torch_threads(1)
     budget = args.rounds * sum(args.steps.values())
-    given = {d: imitation_of(args, d)[0] for d in DOMAINS}
     imitation = {
-        d: recipe_for(d).imitation.steps if steps is None else steps for d, steps in given.items()
+        d: steps
+        for d in DOMAINS
+        if (steps := int(args.imitation.get(d, recipe_for(d).imitation.steps)))
     }
-    imitation = {d: steps for d, steps in imitation.items() if steps}
     supervised = args.rounds * sum(imitation.values())
     print(
         f"{args.rounds} rounds; steps per round {args.steps}; every trained arm spends {budget} "

@@ -59,7 +59,7 @@ DOMAIN_RECIPES: dict[str, RLConfig] = {
     # whole-word base, 60 steps of 8 tasks gained 2.3 points held-out (120 steps: 0.8) and of 16
     # tasks 10.2, with failed episodes pushed down or not; a larger learning rate (0.03) lost 18.
     # 50 imitation steps at 1e-4 first: RL alone gained about 4 points in 40 steps; two rounds
-    # of these steps alone gained 11.7 and raised math and code too (at 3e-4 they cost code 13).
+    # of these steps alone gained 11.7 and raised math and code too (at 3e-4 they cost code 9).
     "search": RLConfig(
         imitation=ImitationConfig(steps=50, learning_rate=1e-4),
         steps=10,
