@@ -71,7 +71,8 @@ def texts(run: Any, tag: str) -> list[tuple[int, str]]:
 
 def wandb_records(path: Path) -> list[Any]:
     """The records of a W&B run file (`run-ID.wandb`): a 7-byte header, then LevelDB-style
-    log records (checksum, length, type: full, or first/middle/last pieces) in 32 KiB blocks."""
+    log records (checksum, length, type: full, or first/middle/last pieces) in 32 KiB blocks.
+    The file may still be growing: the records written in full so far."""
     from wandb.proto.wandb_internal_pb2 import Record
 
     data = path.read_bytes()
@@ -84,6 +85,8 @@ def wandb_records(path: Path) -> list[Any]:
             continue
         length = int.from_bytes(data[position + 4 : position + 6], "little")
         kind = data[position + 6]
+        if kind == 0 or position + 7 + length > len(data):
+            break  # the service is still writing this record: read up to it
         pending += data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a full record, or the last piece of one
