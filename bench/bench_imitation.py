@@ -5,12 +5,12 @@ with greedy held-out success on every domain scored at the base and at --checks 
 run, each with its paired difference from the base (bootstrap interval) on the same tasks.
 
 Run: `python bench/bench_imitation.py [--domains search] [--weights 1,…] [--steps 300]
-[--checks 3] [--rounds 1] [--batch-size 16] [--learning-rate 0.0015] [--eval-tasks 512]
-[--eval-seed 1] [--seed 7] [--base DIR] [--json FILE]`. Without --base it starts from the
-embedded base shipped in the package. With --rounds R it runs R × --steps, each run with a fresh
-optimizer and schedule, as a node's imitation before RL restarts every round (`node.imitation`).
-It measures what the solutions alone teach, beside what RL from the same base gains
-(bench_learning.py).
+[--checks 3] [--rounds 1] [--batch-size 16] [--learning-rate 0.0015] [--optimizer adamw]
+[--eval-tasks 512] [--eval-seed 1] [--seed 7] [--base DIR] [--json FILE]`. Without --base it
+starts from the embedded base shipped in the package. With --rounds R it runs R × --steps, each
+run with a fresh optimizer and schedule, as a node's imitation before RL restarts every round
+(`node.imitation`). It measures what the solutions alone teach, beside what RL from the same base
+gains (bench_learning.py).
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ def main() -> int:
     )
     parser.add_argument("--batch-size", type=int, default=DEFAULT_WARM_START_BATCH_SIZE)
     parser.add_argument("--learning-rate", type=float, default=DEFAULT_WARM_START_LR)
+    parser.add_argument(
+        "--optimizer", choices=("adamw", "sgd"), default="adamw", help="default %(default)s"
+    )
     parser.add_argument("--eval-tasks", type=int, default=512, help="held-out tasks per domain")
     parser.add_argument("--eval-seed", type=int, default=1, help="seed of the held-out tasks")
     parser.add_argument("--seed", type=int, default=7, help="seed of the demonstrations")
@@ -80,7 +83,8 @@ def main() -> int:
     base = scores((model, tokenizer), args.eval_tasks, args.eval_seed)
     print(
         f"imitating {', '.join(domains)} from {args.base}: {args.rounds} × {args.steps} steps of "
-        f"{args.batch_size} demonstrations at lr {args.learning_rate:g}; greedy on "
+        f"{args.batch_size} demonstrations, {args.optimizer} at lr {args.learning_rate:g}; "
+        "greedy on "
         f"{args.eval_tasks} held-out tasks per domain (seed {args.eval_seed}), points against "
         "the base with the paired 95% interval",
         flush=True,
@@ -114,6 +118,7 @@ def main() -> int:
             seed=args.seed + number,
             weights=weights,
             on_step=on_step,
+            optimizer=args.optimizer,
         )
         done += args.steps
     if args.json is not None:

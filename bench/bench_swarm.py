@@ -21,7 +21,8 @@ Run: `python bench/bench_swarm.py [--rounds 4] [--steps math=90,code=16,search=1
 [--eval-tasks 512] [--validation-tasks 128] [--seed 0] [--base DIR] [--out runs/bench-swarm]
 [--outer-lr 1] [--outer-momentum 0] [--gate-alpha 0.05] [--no-keep-node-optimizer]
 [--guidance math=0.25,…] [--kl math=0.1,…] [--anchor math=1,…] [--imitation search=N,…]
-[--imitation-lr search=LR,…] [--domain-weights 0.5,1|none]
+[--imitation-lr search=LR,…] [--imitation-optimizer sgd]
+[--domain-weights 0.5,1|none]
 [--domain-scale math=0.5,…|none] [--lambdas λ,…|none] [--keep-base-tensors PATTERN,…|none]`.
 Without --base it uses the embedded base shipped in the package (`skillswarm bootstrap` rebuilds
 one). `--help` prints the step budget of each arm. Exits 1 when, after the last round, the
@@ -208,7 +209,7 @@ def train_steps(
     guidance: float | None = None,
     kl_coef: float | None = None,
     anchor: float | None = None,
-    imitation: tuple[int | None, float | None] = (None, None),
+    imitation: dict[str, Any] | None = None,
     reference: Any = None,
 ) -> tuple[list[dict[str, float]], torch.optim.Optimizer]:
     """`steps` RL steps of `domain`'s recipe on `model` (in place). With `optimizer`, training
@@ -217,7 +218,8 @@ def train_steps(
     is saved there at the end for round `round_number`, as a node's with keep_optimizer_state.
     `guidance` and `kl_coef`, when given, replace the recipe's; so does `anchor`, the weight of
     a KL anchor on the other domains' episodes (`node.anchor`, the other two of DOMAINS), and
-    `imitation`'s (steps, learning rate), the supervised steps before RL (`node.imitation`). With
+    `imitation`, fields of the supervised steps before RL (`node.imitation`: steps,
+    learning_rate, optimizer). With
     a KL term, `reference` is the model it is measured against (default: a frozen copy of
     `model` as it starts, the round's base as a node keeps it). Returns the history and the
     optimizer."""
@@ -231,15 +233,8 @@ def train_steps(
         update["anchor"] = recipe.anchor.model_copy(
             update={"coef": anchor, "domains": [d for d in DOMAINS if d != domain]}
         )
-    steps_first, rate = imitation
-    if steps_first is not None or rate is not None:
-        update["imitation"] = recipe.imitation.model_copy(
-            update={
-                key: value
-                for key, value in (("steps", steps_first), ("learning_rate", rate))
-                if value is not None
-            }
-        )
+    if imitation:
+        update["imitation"] = recipe.imitation.model_copy(update=imitation)
     if synchronous:
         update["max_staleness"] = 0
     recipe = recipe.model_copy(update=update)
@@ -257,11 +252,17 @@ def train_steps(
     return history, run.trainer.optimizer
 
 
-def imitation_of(args: argparse.Namespace, domain: str) -> tuple[int | None, float | None]:
-    """`domain`'s (imitation steps, learning rate) from --imitation and --imitation-lr (None:
-    the recipe's)."""
-    steps = args.imitation.get(domain)
-    return (None if steps is None else int(steps)), args.imitation_lr.get(domain)
+def imitation_of(args: argparse.Namespace, domain: str) -> dict[str, Any]:
+    """`domain`'s imitation fields that --imitation, --imitation-lr and --imitation-optimizer
+    set (the others stay the recipe's)."""
+    fields: dict[str, Any] = {}
+    if (steps := args.imitation.get(domain)) is not None:
+        fields["steps"] = int(steps)
+    if (rate := args.imitation_lr.get(domain)) is not None:
+        fields["learning_rate"] = rate
+    if args.imitation_optimizer is not None:
+        fields["optimizer"] = args.imitation_optimizer
+    return fields
 
 
 def frozen_copy(model: Any) -> Any:
@@ -384,7 +385,7 @@ class Bench:
                             guidance=args.guidance.get(domain),
                             kl_coef=args.kl.get(domain),
                             # A node's imitation steps, once a round, before its first RL step.
-                            imitation=imitation_of(args, domain) if step == 0 else (0, None),
+                            imitation=imitation_of(args, domain) if step == 0 else {"steps": 0},
                             reference=mixed_reference,
                         )
             self.arms["mixed"].rounds[number] = self.score(mixed)
@@ -758,6 +759,13 @@ def main() -> int:
         metavar="LR|DOMAIN=LR,…",
         help="the imitation steps' learning rate (recipes: "
         + ", ".join(f"{d} {recipe_for(d).imitation.learning_rate:g}" for d in DOMAINS)
+        + ")",
+    )
+    parser.add_argument(
+        "--imitation-optimizer",
+        choices=("adamw", "sgd"),
+        help="the imitation steps' optimizer, every domain's (recipes: "
+        + ", ".join(f"{d} {recipe_for(d).imitation.optimizer}" for d in DOMAINS)
         + ")",
     )
     parser.add_argument(

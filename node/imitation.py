@@ -3,18 +3,19 @@
 RL learns only what the policy already samples now and then. On a domain whose skill is mostly
 copying (search: ids, names and numbers carried from a result into the next call and the answer)
 the tiny base's RL gains a few points a round, while cross-entropy on the environment's own
-solutions (`Environment.solve`, training tasks only) teaches it directly. With `[train.imitation]`
-on, a node's round starts with `steps` such updates on its own domain (AdamW at `learning_rate`,
-the warm start's warm-up / stable / decay schedule: `node.train.supervised_warm_start`), then runs
-RL from there; the round's KL terms stay measured against the round's base. A small learning rate
-keeps the other domains: at 1e-3 the same steps took math and code to zero (docs/training.md,
-"Imitation before RL").
+solutions (`Environment.solve`, training tasks only) teaches it directly. With
+`[train.imitation]` on, a node's round starts with `steps` such updates on its own domain
+(`optimizer` at `learning_rate`, the warm start's warm-up / stable / decay schedule:
+`node.train.supervised_warm_start`), then runs RL from there; the round's KL terms stay measured
+against the round's base. A small learning rate keeps the other domains: at 1e-3 the same AdamW
+steps took math and code to zero (docs/training.md, "Imitation before RL").
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from skillswarm.agent.envs import Environment
@@ -31,7 +32,12 @@ class ImitationConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(default=0, ge=0, description="supervised steps before RL; 0: off")
-    learning_rate: float = Field(default=1e-4, gt=0, description="AdamW's peak learning rate")
+    learning_rate: float = Field(default=1e-4, gt=0, description="the peak learning rate")
+    optimizer: Literal["adamw", "sgd"] = Field(
+        default="adamw",
+        description="adamw (every weight with a gradient moves by about the learning rate), or "
+        "sgd with momentum 0.9 (each in proportion to its gradient, as the RL recipes' updates)",
+    )
     batch_size: int = Field(default=16, ge=1, description="solutions per step")
 
     @property
@@ -62,15 +68,17 @@ def imitate(
             batch_size=config.batch_size,
             lr=config.learning_rate,
             seed=seed,
+            optimizer=config.optimizer,
         )
     except NoSolutionsError as error:
         logger.warning("imitation skipped, RL goes on: %s", error)
         return []
     logger.info(
-        "imitation: %d steps of %d %s solutions at lr %g, loss %.3f → %.3f, %.1f s",
+        "imitation: %d steps of %d %s solutions, %s at lr %g, loss %.3f → %.3f, %.1f s",
         config.steps,
         config.batch_size,
         env.name,
+        config.optimizer,
         config.learning_rate,
         losses[0],
         losses[-1],

@@ -206,6 +206,34 @@ def _solved_task(env: Environment, rng: random.Random) -> list[Message]:
     )
 
 
+# "adamw": AdamW (betas, eps); "sgd": SGD with momentum betas[0]. Adam moves every parameter
+# with a non-zero gradient by about the learning rate, however small and noisy its gradient; SGD
+# moves each in proportion to its gradient. On the embedded tiny base, RL with AdamW lowered
+# held-out search success in every setting tried, and SGD raised it (node/recipes.py).
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def build_optimizer(
+    kind: str,
+    model: torch.nn.Module,
+    lr: float,
+    betas: tuple[float, float],
+    *,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> torch.optim.Optimizer:
+    """The optimizer `kind` names (one of `OPTIMIZERS`) over `model`'s parameters."""
+    if kind == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+        )
+    if kind == "sgd":
+        return torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=betas[0], weight_decay=weight_decay
+        )
+    raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
+
+
 def supervised_warm_start(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -219,10 +247,12 @@ def supervised_warm_start(
     max_grad_norm: float = 1.0,
     weights: Sequence[float] | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    optimizer: str = "adamw",
 ) -> list[float]:
     """Cross-entropy on the assistant tokens of solver demonstrations (training tasks only),
-    with AdamW and a warm-up / stable / decay schedule (linear warm-up, constant `lr`, then a
-    linear decay to a tenth of it over the last fifth). Returns the loss per step.
+    with AdamW (or `optimizer="sgd"`: SGD with momentum 0.9) and a warm-up / stable / decay
+    schedule (linear warm-up, constant `lr`, then a linear decay to a tenth of it over the last
+    fifth). Returns the loss per step.
 
     Each batch's slots go to the environments in turn; with `weights` (one per environment),
     in proportion to them over the whole run (smooth weighted round robin). `on_step(step, loss)`
@@ -235,7 +265,7 @@ def supervised_warm_start(
     if steps <= 0:
         return []
     warmup = max(1, min(10, steps // 10)) if warmup_steps is None else warmup_steps
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    updates = build_optimizer(optimizer, model, lr, (0.9, 0.95))
 
     decay_start = int(steps * 0.8)
 
@@ -246,7 +276,7 @@ def supervised_warm_start(
             return 1.0
         return 1.0 - 0.9 * (step - decay_start + 1) / max(1, steps - decay_start)
 
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    schedule = torch.optim.lr_scheduler.LambdaLR(updates, lr_factor)
     schemas = {id(env): env.tool_schemas() for env in envs}
     rng = random.Random(seed)
     credit = [0.0] * len(envs)
@@ -275,7 +305,7 @@ def supervised_warm_start(
             # (computed once) and pad only to each other. The gradients add up to those of the
             # token mean over the whole batch.
             total_tokens = sum(sum(r.loss_mask) for rs in by_env.values() for r in rs)
-            optimizer.zero_grad(set_to_none=True)
+            updates.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for records in by_env.values():
                 sequences = [record.token_ids for record in records]
@@ -290,7 +320,7 @@ def supervised_warm_start(
                 part.backward()
                 loss_sum += part.item()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            optimizer.step()
+            updates.step()
             schedule.step()
             losses.append(loss_sum)
             if on_step is not None:
@@ -298,13 +328,6 @@ def supervised_warm_start(
     finally:
         model.train(was_training)
     return losses
-
-
-# "adamw": AdamW (betas, eps); "sgd": SGD with momentum betas[0]. Adam moves every parameter
-# with a non-zero gradient by about the learning rate, however small and noisy its gradient; SGD
-# moves each in proportion to its gradient. On the embedded tiny base, RL with AdamW lowered
-# held-out search success in every setting tried, and SGD raised it (node/recipes.py).
-OPTIMIZERS = ("adamw", "sgd")
 
 
 class PolicyGradientTrainer:
@@ -341,8 +364,6 @@ class PolicyGradientTrainer:
     ) -> None:
         if micro_batch_size < 1 or micro_batch_tokens < 1:
             raise ValueError("micro_batch_size and micro_batch_tokens must be positive")
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
         config = loss or LossConfig()
         overrides = {
             name: value
@@ -361,15 +382,9 @@ class PolicyGradientTrainer:
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
-        self.optimizer: torch.optim.Optimizer
-        if optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(
-                model.parameters(), lr=lr, betas=betas, eps=adam_eps, weight_decay=weight_decay
-            )
-        else:
-            self.optimizer = torch.optim.SGD(
-                model.parameters(), lr=lr, momentum=betas[0], weight_decay=weight_decay
-            )
+        self.optimizer = build_optimizer(
+            optimizer, model, lr, betas, eps=adam_eps, weight_decay=weight_decay
+        )
         self.updates = 0
         # The KL anchor on other domains' episodes (`node.anchor`), set by the pipeline.
         self.anchor: AnchorBatches | None = None

@@ -41,7 +41,7 @@ def _config(**overrides: object) -> RLConfig:
     return RLConfig.model_validate({**settings, **overrides})
 
 
-def _solution_nll(model, tokenizer, env: MathEnvironment) -> float:
+def _solution_nll(model, tokenizer, env) -> float:
     """Mean negative log-likelihood per assistant token of the solutions of 8 fixed tasks."""
     records = [
         tokenize_demonstration(tokenizer, env.solve(task), env.tool_schemas())
@@ -65,6 +65,37 @@ def test_imitation_raises_the_likelihood_of_the_domains_solutions(math_env, math
     )
     assert len(losses) == 15
     assert _solution_nll(model, math_tokenizer, math_env) < 0.7 * before
+
+
+def test_sgd_imitation_moves_each_weight_by_its_gradient_and_adamw_by_the_learning_rate(
+    math_env, math_tokenizer
+):
+    moved = {}
+    for optimizer in ("adamw", "sgd"):
+        model = _small_model(math_tokenizer)
+        start = [p.detach().clone() for p in model.parameters()]
+        config = ImitationConfig(steps=1, learning_rate=1e-3, optimizer=optimizer)
+        assert len(imitate(model, math_tokenizer, math_env, config, seed=0)) == 1
+        sizes = torch.cat(
+            [
+                (p.detach() - s).abs().flatten()
+                for p, s in zip(model.parameters(), start, strict=True)
+            ]
+        )
+        moved[optimizer] = sizes[sizes > 0]
+    # AdamW's first step is ±lr wherever the gradient is not zero; SGD's follows the gradient.
+    assert torch.allclose(moved["adamw"].median(), torch.tensor(1e-3), rtol=0.05)
+    assert moved["sgd"].max() > 20 * moved["sgd"].median()
+    with pytest.raises(ValueError, match="optimizer"):
+        ImitationConfig(optimizer="lion")
+
+
+def test_sgd_imitation_raises_the_likelihood_of_the_domains_solutions(math_env, math_tokenizer):
+    model = _small_model(math_tokenizer)
+    before = _solution_nll(model, math_tokenizer, math_env)
+    config = ImitationConfig(steps=15, learning_rate=0.3, optimizer="sgd")
+    assert len(imitate(model, math_tokenizer, math_env, config, seed=0)) == 15
+    assert _solution_nll(model, math_tokenizer, math_env) < 0.8 * before
 
 
 def test_a_fresh_run_imitates_first_and_its_kl_reference_is_the_starting_weights(
