@@ -179,6 +179,14 @@ def _default_domain_scale() -> dict[str, float]:
     return {"math": 0.5}
 
 
+# The token embedding and the output head (tied into one tensor in the embedded base).
+VOCABULARY_TENSORS = ("*embed_tokens.weight", "lm_head.weight")
+
+
+def _default_keep_base_tensors() -> list[str]:
+    return list(VOCABULARY_TENSORS)
+
+
 def matches_any(tensor: str, patterns: Sequence[str]) -> bool:
     """Whether the tensor name `tensor` matches one of the glob `patterns` (case-sensitive)."""
     return any(fnmatch.fnmatchcase(tensor, p) for p in patterns)
@@ -191,7 +199,8 @@ class MergePlan(MergeSpec):
     reward over eval.domains on eval.validation_seed is published, ties going to the earlier.
     The default sums the round's task vectors (task arithmetic, λ = 1: each node's delta at its
     full size, as if the nodes' steps had been taken one after another) with math's deltas at
-    half their size (`domain_scale`), and tries no other candidate (with `candidates`, those
+    half their size (`domain_scale`) and the token embedding and output head left at the base
+    (`keep_base_tensors`), and tries no other candidate (with `candidates`, those
     too; with `domain_weights`, task arithmetic with a weight per domain); what each method
     measured: docs/merging.md. Before any of it, the own-domain gate leaves out the deltas that
     lower their own domain's score on the validation tasks beyond noise: RL that lowers its own
@@ -200,7 +209,7 @@ class MergePlan(MergeSpec):
     either way.
     After it, a merge the publication rule holds is tried again without each delta in turn: one
     domain's delta often lowers another domain, and the others' gains need not wait a round.
-    With `keep_base_tensors`, every merge leaves the tensors it names at the base's weights.
+    Every merge leaves the tensors `keep_base_tensors` names at the base's weights.
     """
 
     candidates: list[MergeSpec] = Field(default_factory=list)
@@ -229,14 +238,14 @@ class MergePlan(MergeSpec):
         "domains, len^d − len candidates more (d ≤ 5)",
     )
     keep_base_tensors: list[str] = Field(
-        default_factory=list,
+        default_factory=_default_keep_base_tensors,
         max_length=MAX_KEEP_BASE_PATTERNS,
-        description="glob patterns (fnmatch) over tensor names, e.g. ['*embed_tokens.weight', "
-        "'lm_head.weight']: a tensor that matches one is left out of every task vector, so "
-        "each merge, candidates and subsets included, keeps the base's weights there. [] (the "
-        "default) merges every tensor. Keeping the token embedding spared code the rounds "
-        "where math's delta wrecked it, but through the swarm bench it ended no better "
-        "(docs/merging.md, 'Tensors kept at the base')",
+        description="glob patterns (fnmatch) over tensor names: a tensor that matches one is "
+        "left out of every task vector, so each merge, candidates and subsets included, keeps "
+        "the base's weights there. The default keeps the token embedding and the output head "
+        "(['*embed_tokens.weight', 'lm_head.weight']), through which one node's delta (search's "
+        "imitation, a long math round) cost the others most of their gain; [] merges every "
+        "tensor. What it measured: docs/merging.md, 'Tensors kept at the base'",
     )
     domain_scale: dict[str, float] = Field(
         default_factory=_default_domain_scale,
@@ -261,9 +270,11 @@ class MergePlan(MergeSpec):
     @classmethod
     def _own_method_has_no_default_candidates(cls, data: Any) -> Any:
         """A plan that names its own method or parameters tries only the candidates it lists,
-        and weights or scales no domain apart unless it sets domain_weights or domain_scale."""
+        weights or scales no domain apart and keeps no tensor at the base unless it sets
+        domain_weights, domain_scale or keep_base_tensors."""
         if isinstance(data, dict) and ("method" in data or "parameters" in data):
-            return {"candidates": [], "domain_weights": [], "domain_scale": {}, **data}
+            defaults = {"candidates": [], "domain_weights": [], "domain_scale": {}}
+            return {**defaults, "keep_base_tensors": [], **data}
         return data
 
     @field_validator("keep_base_tensors")

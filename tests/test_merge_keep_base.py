@@ -24,8 +24,11 @@ def test_patterns_name_the_tensors_kept_and_are_bounded():
     assert plan.keeps_base(EMBEDDING) and plan.keeps_base("lm_head.weight")
     assert not plan.keeps_base("model.layers.0.mlp.up_proj.weight")
     assert not plan.keeps_base("model.norm.weight")
-    # The default merges every tensor; a plan naming its own method keeps what it lists.
-    assert MergePlan().keep_base_tensors == [] and not MergePlan().keeps_base(EMBEDDING)
+    # The default keeps the embedding and the head; [] merges every tensor; a plan naming its
+    # own method keeps only what it lists.
+    assert MergePlan().keep_base_tensors == list(VOCABULARY) and MergePlan().keeps_base(EMBEDDING)
+    assert not MergePlan(keep_base_tensors=[]).keeps_base(EMBEDDING)
+    assert not MergePlan(method="linear").keeps_base(EMBEDDING)
     assert MergePlan(method="linear", keep_base_tensors=list(VOCABULARY)).keeps_base(EMBEDDING)
     assert MergePlan(keep_base_tensors=["*.norm.weight"]).keeps_base("model.norm.weight")
     with pytest.raises(ValidationError, match="keep_base_tensors"):

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import torch
 from safetensors.torch import load_file, save_file
+from skillswarm.coordinator.config import MergePlan
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.node.pipeline import RLConfig
 from skillswarm.protocol.blobstore import BlobStore
@@ -104,12 +105,18 @@ def test_one_round_two_nodes_end_to_end(tmp_path: Path, tiny_base: Path) -> None
     experts = [_node_expert(tmp_path / f"node-{i}", base) for i in range(2)]
     assert any(not torch.equal(experts[0][n], base[n]) for n in base)  # training moved weights
     # The default plan: task arithmetic at λ 1, math's deltas at half size, which mergekit-yaml
-    # writes as a weight of 0.5 on each (equal up to float32 rounding of the scaled deltas).
+    # writes as a weight of 0.5 on each (equal up to float32 rounding of the scaled deltas), and
+    # the token embedding and output head left at the base.
     assert round_one["method"]["domain_scale"] == {"math": 0.5}
     expected = _mergekit_task_arithmetic(tiny_base, experts, tmp_path / "reference", weight=0.5)
     merged = load_file(pulled / "model.safetensors")
     assert set(merged) == set(expected)
+    kept = [name for name in merged if MergePlan().keeps_base(name)]
+    assert kept and any(not torch.equal(experts[0][n], base[n]) for n in kept)
     for name, tensor in merged.items():
+        if name in kept:
+            assert torch.equal(tensor, base[name]), name
+            continue
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
         if not torch.equal(experts[0][name], base[name]):
             assert not torch.allclose(tensor, base[name], rtol=0, atol=1e-9), name
