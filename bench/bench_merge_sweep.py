@@ -6,11 +6,12 @@ streaming merge through mergekit) and every merge is scored greedily on the same
 every domain. Prints, per spec, success per domain with its 95% Wilson interval, the paired
 difference with the base (bootstrap interval), and the retention (merged − base) / (expert − base)
 of each domain's expert gain. Every merge leaves the tensors --keep-base-tensors names at the
-base, as the coordinator's plan does (default: its default, none); with --compare-keep-base each
-spec is also merged over every tensor (its name followed by "·all"), so the two are compared on
-the same deltas and tasks. Each expert is scored on every domain, which shows what a delta
-alone costs the others, with the kept tensors at the base as the merges apply it (and whole as
-`expert:D·all` with --compare-keep-base, the reference of the "·all" merges' retention). Writes
+base, as the coordinator's plan does (default: its default, the embedding and head); with
+--compare-keep-base each spec is also merged over every tensor (its name followed by "·all"), so
+the two are compared on the same deltas and tasks. Each expert is scored on every domain, which
+shows what a delta alone costs the others, with the kept tensors at the base as the merges apply
+it (and whole as `expert:D·all` with --compare-keep-base, the reference of the "·all" merges'
+retention). Writes
 `sweep.json` into --out; `--reuse` merges the deltas a previous run left there instead of
 training again.
 

@@ -148,8 +148,9 @@ def _coordinator(
     outer: OuterOptimizerConfig | None = None,
 ) -> Coordinator:
     """A coordinator scoring math on 24 validation tasks; the own-domain gate off unless asked,
-    so that the publication rule alone judges the merge, and math's deltas merged whole (no
-    domain_scale), so that a delta's merge moves the base by the delta."""
+    so that the publication rule alone judges the merge, and math's deltas merged whole over
+    every tensor (no domain_scale, no keep_base_tensors), so that a delta's merge moves the base
+    by the delta."""
     config = CoordinatorConfig(
         work_dir=tmp_path / "coord",
         p2p_port=0,
@@ -161,6 +162,7 @@ def _coordinator(
             own_domain_gate_alpha=gate_alpha,
             subsets_on_hold=subsets,
             domain_scale={},
+            keep_base_tensors=[],
         ),
         outer=outer or OuterOptimizerConfig(),
     )
