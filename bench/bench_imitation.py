@@ -25,7 +25,7 @@ from typing import Any
 from skillswarm.agent.envs import get_environment
 from skillswarm.agent.model import load_policy, set_torch_threads
 from skillswarm.node.bootstrap import DEFAULT_WARM_START_BATCH_SIZE, DEFAULT_WARM_START_LR
-from skillswarm.node.train import supervised_warm_start
+from skillswarm.node.train import OPTIMIZERS, supervised_warm_start
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from score_checkpoints import row, scores  # noqa: E402 (the bench folder is no package)
@@ -55,7 +55,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=DEFAULT_WARM_START_BATCH_SIZE)
     parser.add_argument("--learning-rate", type=float, default=DEFAULT_WARM_START_LR)
     parser.add_argument(
-        "--optimizer", choices=("adamw", "sgd"), default="adamw", help="default %(default)s"
+        "--optimizer", choices=OPTIMIZERS, default="adamw", help="default %(default)s"
     )
     parser.add_argument("--eval-tasks", type=int, default=512, help="held-out tasks per domain")
     parser.add_argument("--eval-seed", type=int, default=1, help="seed of the held-out tasks")

@@ -61,6 +61,7 @@ from skillswarm.node.checkpointing import restore_optimizer_state, save_optimize
 from skillswarm.node.config import NodeConfig
 from skillswarm.node.pipeline import AsyncRLRun
 from skillswarm.node.recipes import recipe_for
+from skillswarm.node.train import OPTIMIZERS
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.delta import DeltaReader, pack_delta
 from skillswarm.protocol.identity import load_or_create_identity, peer_id_of, public_key_bytes
@@ -763,7 +764,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--imitation-optimizer",
-        choices=("adamw", "sgd"),
+        choices=OPTIMIZERS,
         help="the imitation steps' optimizer, every domain's (recipes: "
         + ", ".join(f"{d} {recipe_for(d).imitation.optimizer}" for d in DOMAINS)
         + ")",

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from skillswarm.agent.envs import Environment
-from skillswarm.node.train import NoSolutionsError, supervised_warm_start
+from skillswarm.node.train import NoSolutionsError, OptimizerName, supervised_warm_start
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -33,7 +32,7 @@ class ImitationConfig(BaseModel):
 
     steps: int = Field(default=0, ge=0, description="supervised steps before RL; 0: off")
     learning_rate: float = Field(default=1e-4, gt=0, description="the peak learning rate")
-    optimizer: Literal["adamw", "sgd"] = Field(
+    optimizer: OptimizerName = Field(
         default="adamw",
         description="adamw (every weight with a gradient moves by about the learning rate), or "
         "sgd with momentum 0.9 (each in proportion to its gradient, as the RL recipes' updates)",

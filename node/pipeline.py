@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -46,7 +45,7 @@ from skillswarm.node.guidance import guide_unsolved_groups
 from skillswarm.node.imitation import ImitationConfig, imitate
 from skillswarm.node.loss import LossConfig
 from skillswarm.node.metrics import MetricsLogger, StalenessHistogram, StepTracker, read_metrics
-from skillswarm.node.train import PolicyGradientTrainer
+from skillswarm.node.train import OptimizerName, PolicyGradientTrainer
 from skillswarm.protocol.durable import write_bytes_atomically
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -64,9 +63,7 @@ class RLConfig(BaseModel):
     tasks_per_step: int = Field(default=8, ge=1)
     samples_per_task: int = Field(default=4, ge=2, description="group size for advantages")
     learning_rate: float = Field(default=2e-4, gt=0)
-    optimizer: Literal["adamw", "sgd"] = Field(
-        default="adamw", description="adamw, or sgd with momentum 0.9"
-    )
+    optimizer: OptimizerName = Field(default="adamw", description="adamw, or sgd with momentum 0.9")
     adam_eps: float = Field(default=1e-8, gt=0, description="AdamW's epsilon")
     temperature: float = Field(default=1.0, gt=0)
     max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, description="per turn")

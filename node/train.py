@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 from skillswarm.agent.envs.base import Environment, Message
@@ -210,11 +210,12 @@ def _solved_task(env: Environment, rng: random.Random) -> list[Message]:
 # with a non-zero gradient by about the learning rate, however small and noisy its gradient; SGD
 # moves each in proportion to its gradient. On the embedded tiny base, RL with AdamW lowered
 # held-out search success in every setting tried, and SGD raised it (node/recipes.py).
-OPTIMIZERS = ("adamw", "sgd")
+OptimizerName = Literal["adamw", "sgd"]
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 
 
 def build_optimizer(
-    kind: str,
+    kind: OptimizerName,
     model: torch.nn.Module,
     lr: float,
     betas: tuple[float, float],
@@ -247,7 +248,7 @@ def supervised_warm_start(
     max_grad_norm: float = 1.0,
     weights: Sequence[float] | None = None,
     on_step: Callable[[int, float], None] | None = None,
-    optimizer: str = "adamw",
+    optimizer: OptimizerName = "adamw",
 ) -> list[float]:
     """Cross-entropy on the assistant tokens of solver demonstrations (training tasks only),
     with AdamW (or `optimizer="sgd"`: SGD with momentum 0.9) and a warm-up / stable / decay
@@ -358,7 +359,7 @@ class PolicyGradientTrainer:
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
         reference_model: PreTrainedModel | None = None,
-        optimizer: str = "adamw",
+        optimizer: OptimizerName = "adamw",
         adam_eps: float = 1e-8,
         guidance_weight: float = 1.0,
     ) -> None:

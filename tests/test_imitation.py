@@ -15,6 +15,7 @@ from skillswarm.node.imitation import ImitationConfig, imitate
 from skillswarm.node.pipeline import AsyncRLRun, RLConfig
 from skillswarm.node.recipes import recipe_for
 from skillswarm.node.train import (
+    OPTIMIZERS,
     SOLUTION_TRIES,
     NoSolutionsError,
     right_padded,
@@ -71,7 +72,7 @@ def test_sgd_imitation_moves_each_weight_by_its_gradient_and_adamw_by_the_learni
     math_env, math_tokenizer
 ):
     moved = {}
-    for optimizer in ("adamw", "sgd"):
+    for optimizer in OPTIMIZERS:
         model = _small_model(math_tokenizer)
         start = [p.detach().clone() for p in model.parameters()]
         config = ImitationConfig(steps=1, learning_rate=1e-3, optimizer=optimizer)

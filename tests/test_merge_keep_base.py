@@ -9,14 +9,14 @@ from delta_helpers import expert_inputs, merged_by, noisy
 from pydantic import ValidationError
 from safetensors.torch import load_file
 from skillswarm.coordinator.candidates import gate_by_own_domain
-from skillswarm.coordinator.config import EvalConfig, MergePlan
+from skillswarm.coordinator.config import VOCABULARY_TENSORS, EvalConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, expert_folder
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
 from skillswarm.protocol.identity import load_or_create_identity
 
 EMBEDDING = "model.embed_tokens.weight"
-VOCABULARY = ("*embed_tokens.weight", "lm_head.weight")
+VOCABULARY = VOCABULARY_TENSORS
 
 
 def test_patterns_name_the_tensors_kept_and_are_bounded():
