@@ -196,7 +196,7 @@ def main() -> int:
     for label, spec, every_tensor, merged in runs:
         experts = [TaskVector(name=d, expert=readers[d].expert) for d in merged]
         if not every_tensor:
-            experts = [kept_at_base(plan, v) for v in experts]
+            experts = [kept_at_base(plan, v.name, v) for v in experts]
         folder = merge_checkpoint(args.base, experts, work / label, spec)
         results[label] = score(folder, DOMAINS, args.eval_tasks, args.eval_seed)
         cells = "".join(f"{cell(results[label][d]):>24}" for d in DOMAINS)

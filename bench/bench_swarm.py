@@ -99,8 +99,9 @@ def add_keep_base_argument(parser: argparse.ArgumentParser) -> None:
         type=parse_keep_base,
         default=MergePlan().keep_base_tensors,
         metavar="PATTERN,…|none",
-        help="tensors every merge leaves at the base's weights (the coordinator's "
-        "keep_base_tensors; 'none': merge every tensor; default %(default)s)",
+        help="tensors every merge leaves at the base's weights, DOMAIN:GLOB in that domain's "
+        "deltas only (the coordinator's keep_base_tensors; 'none': merge every tensor; default "
+        "%(default)s)",
     )
 
 
@@ -490,7 +491,7 @@ class Bench:
             inputs,
             candidate_dir,
             work,
-            keep_base=self.config.merge.keep_base_tensors,
+            keep_base=self.config.merge.kept_for,
         )
         self.decisions.append(
             {

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from skillswarm.coordinator.config import MergePlan
+from skillswarm.coordinator.config import MergePlan, matches_any
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, mean_reward
 from skillswarm.coordinator.publication import Decision
 from skillswarm.merge.methods import MergeSpec
@@ -65,7 +65,7 @@ def gate_by_own_domain(
         experts,
         work,
         alpha=plan.own_domain_gate_alpha,
-        keep_base=plan.keep_base_tensors,
+        keep_base=plan.kept_for,
     )
     left_out = [entry["label"] for entry in gate if not entry["kept"]]
     if left_out:
@@ -162,7 +162,8 @@ def merge_and_decide(
     experts = list(merging)
 
     def vector_of(expert: ExpertInput) -> TaskVector:
-        return scaled_for_domain(plan, expert.domain, kept_at_base(plan, task_vector(expert)))
+        kept = kept_at_base(plan, expert.domain, task_vector(expert))
+        return scaled_for_domain(plan, expert.domain, kept)
 
     vectors = [vector_of(e) for e in experts]
     specs = [
@@ -220,14 +221,16 @@ def merge_and_decide(
     return held
 
 
-def kept_at_base(plan: MergePlan, vector: TaskVector) -> TaskVector:
-    """`vector` with the tensors plan.keep_base_tensors names left unchanged (its getter answers
-    None there, which a merge takes as the base's tensor); `vector` itself when it names none."""
-    if not plan.keep_base_tensors:
+def kept_at_base(plan: MergePlan, domain: str, vector: TaskVector) -> TaskVector:
+    """`vector`, a `domain` delta, with the tensors plan.keep_base_tensors names for it left
+    unchanged (its getter answers None there, which a merge takes as the base's tensor);
+    `vector` itself when it names none."""
+    patterns = plan.kept_for(domain)
+    if not patterns:
         return vector
 
     def tensor(name: str, base: torch.Tensor) -> torch.Tensor | None:
-        return None if plan.keeps_base(name) else vector.expert(name, base)
+        return None if matches_any(name, patterns) else vector.expert(name, base)
 
     return TaskVector(name=vector.name, expert=tensor)
 

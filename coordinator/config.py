@@ -192,6 +192,19 @@ def matches_any(tensor: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(tensor, p) for p in patterns)
 
 
+def patterns_for(domain: str | None, patterns: Sequence[str]) -> list[str]:
+    """The globs of `patterns` that apply to `domain`'s deltas: every unqualified one, and the
+    glob of each `DOMAIN:GLOB` whose DOMAIN is `domain` (tensor names hold no colon)."""
+    applied = []
+    for pattern in patterns:
+        named, colon, glob = pattern.partition(":")
+        if not colon:
+            applied.append(pattern)
+        elif named == domain:
+            applied.append(glob)
+    return applied
+
+
 class MergePlan(MergeSpec):
     """The merge to run, and alternatives tried beside it on the validation tasks.
 
@@ -242,10 +255,11 @@ class MergePlan(MergeSpec):
         max_length=MAX_KEEP_BASE_PATTERNS,
         description="glob patterns (fnmatch) over tensor names: a tensor that matches one is "
         "left out of every task vector, so each merge, candidates and subsets included, keeps "
-        "the base's weights there. The default keeps the token embedding and the output head "
-        "(['*embed_tokens.weight', 'lm_head.weight']), through which one node's delta (search's "
-        "imitation, a long math round) cost the others most of their gain; [] merges every "
-        "tensor. What it measured: docs/merging.md, 'Tensors kept at the base'",
+        "the base's weights there; a pattern written DOMAIN:GLOB applies to that domain's "
+        "deltas only (e.g. 'search:lm_head.weight'). The default keeps the token embedding and "
+        "the output head (['*embed_tokens.weight', 'lm_head.weight']), through which one node's "
+        "delta (search's imitation, a long math round) cost the others most of their gain; [] "
+        "merges every tensor. What it measured: docs/merging.md, 'Tensors kept at the base'",
     )
     domain_scale: dict[str, float] = Field(
         default_factory=_default_domain_scale,
@@ -280,11 +294,16 @@ class MergePlan(MergeSpec):
     @field_validator("keep_base_tensors")
     @classmethod
     def _short_patterns(cls, value: list[str]) -> list[str]:
-        if any(not 0 < len(p) <= MAX_KEEP_BASE_PATTERN_CHARS for p in value):
-            raise ValueError(
-                f"keep_base_tensors patterns must be 1 to {MAX_KEEP_BASE_PATTERN_CHARS} "
-                f"characters; got {value}"
-            )
+        for pattern in value:
+            named, colon, glob = pattern.partition(":")
+            if not 0 < len(pattern) <= MAX_KEEP_BASE_PATTERN_CHARS or (
+                colon and not (0 < len(named) <= 64 and glob and ":" not in glob)
+            ):
+                raise ValueError(
+                    f"keep_base_tensors patterns are GLOB or DOMAIN:GLOB (a domain name of 1 to "
+                    f"64 characters), 1 to {MAX_KEEP_BASE_PATTERN_CHARS} characters; got "
+                    f"{pattern!r}"
+                )
         return value
 
     @field_validator("domain_scale")
@@ -298,9 +317,15 @@ class MergePlan(MergeSpec):
                 )
         return value
 
-    def keeps_base(self, tensor: str) -> bool:
-        """Whether the merge leaves `tensor` at the base's weights (keep_base_tensors)."""
-        return matches_any(tensor, self.keep_base_tensors)
+    def kept_for(self, domain: str | None) -> list[str]:
+        """The globs of keep_base_tensors that `domain`'s deltas leave at the base (None: the
+        unqualified ones alone)."""
+        return patterns_for(domain, self.keep_base_tensors)
+
+    def keeps_base(self, tensor: str, domain: str | None = None) -> bool:
+        """Whether the merge leaves `tensor` of a `domain` delta at the base's weights
+        (keep_base_tensors; None: by the unqualified patterns alone)."""
+        return matches_any(tensor, self.kept_for(domain))
 
     @field_validator("domain_weights")
     @classmethod

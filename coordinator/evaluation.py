@@ -9,7 +9,7 @@ import logging
 import math
 import shutil
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,12 +121,12 @@ class Evaluator:
         experts: Sequence[ExpertInput],
         work: Path,
         alpha: float = 0.0,
-        keep_base: Sequence[str] = (),
+        keep_base: KeepBase | None = None,
     ) -> list[dict[str, Any]]:
-        """For each expert (its delta applied alone, the tensors `keep_base` names left at the
-        base as the merge leaves them), its own domain's mean reward on the validation tasks
-        beside the base's, and whether it is kept (`gate_verdict` at `alpha`). An expert of a
-        domain that is not evaluated is kept unscored."""
+        """For each expert (its delta applied alone, the tensors `keep_base(its domain)` names
+        left at the base as the merge leaves them), its own domain's mean reward on the
+        validation tasks beside the base's, and whether it is kept (`gate_verdict` at `alpha`).
+        An expert of a domain that is not evaluated is kept unscored."""
         config = self.eval_config
         seed, n_tasks = config.validation_tasks_seed(), config.validation_task_count()
         gate: list[dict[str, Any]] = []
@@ -136,7 +136,7 @@ class Evaluator:
                 gate.append(entry | {"kept": True, "base": None, "expert": None})
                 continue
             base = self.scores(base_dir, [expert.domain], n_tasks, seed, cache_as=base_id)
-            folder = expert_folder(base_dir, expert, work, keep_base)
+            folder = expert_folder(base_dir, expert, work, kept(keep_base, expert))
             alone = self.scores(folder, [expert.domain], n_tasks, seed)
             base_reward = mean_reward(base[expert.domain])
             expert_reward = mean_reward(alone[expert.domain])
@@ -159,12 +159,12 @@ class Evaluator:
         experts: Sequence[ExpertInput],
         merged_dir: Path,
         work: Path,
-        keep_base: Sequence[str] = (),
+        keep_base: KeepBase | None = None,
     ) -> dict[str, Any]:
         """Held-out scores of the base, each expert (its delta applied alone, the tensors
-        `keep_base` names left at the base as the merge leaves them; on every domain, its own or
-        none, as eval.experts says) and the merged candidate, all on the same tasks through the
-        same rollout engine."""
+        `keep_base(its domain)` names left at the base as the merge leaves them; on every
+        domain, its own or none, as eval.experts says) and the merged candidate, all on the same
+        tasks through the same rollout engine."""
         config = self.eval_config
         domains, n_tasks, seed = config.domains, config.n_tasks, config.seed
         table: dict[str, Any] = {
@@ -175,10 +175,19 @@ class Evaluator:
             scored = [d for d in scored if d in domains]
             if not scored:
                 continue
-            folder = expert_folder(base_dir, expert, work, keep_base)
+            folder = expert_folder(base_dir, expert, work, kept(keep_base, expert))
             table[expert.label] = self.scores(folder, scored, n_tasks, seed)
         table["merged"] = self.scores(merged_dir, domains, n_tasks, seed)
         return table
+
+
+# The glob patterns of the tensors a domain's deltas leave at the base (MergePlan.kept_for).
+KeepBase = Callable[[str], Sequence[str]]
+
+
+def kept(keep_base: KeepBase | None, expert: ExpertInput) -> Sequence[str]:
+    """The patterns `keep_base` names for `expert`'s domain; none without it."""
+    return () if keep_base is None else keep_base(expert.domain)
 
 
 def expert_folder(

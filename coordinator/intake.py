@@ -387,7 +387,7 @@ class Intake:
         try:
             # Scored as the merge plan in force applies it (an operator may have set another
             # since start): the tensors it keeps at the base stay there.
-            keep_base = self.rounds.config.merge.keep_base_tensors
+            keep_base = self.rounds.config.merge.kept_for(manifest.domain)
             write_expert_checkpoint(base_dir, reader, folder / "expert", keep_base)
             expert_scores = self.evaluator.scores(folder / "expert", domains, gates.n_tasks, seed)
         finally:

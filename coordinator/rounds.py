@@ -374,7 +374,7 @@ class Rounds:
                 expert_inputs,
                 verdict.candidate_dir,
                 work,
-                keep_base=plan.keep_base_tensors,
+                keep_base=plan.kept_for,
             )
             extra = {
                 "inputs": [d.id for d in accepted],

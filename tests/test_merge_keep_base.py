@@ -39,6 +39,41 @@ def test_patterns_name_the_tensors_kept_and_are_bounded():
         MergePlan(keep_base_tensors=["a"] * 17)
 
 
+def test_a_domain_qualified_pattern_keeps_only_that_domains_tensors():
+    plan = MergePlan(keep_base_tensors=["search:*embed_tokens.weight", "*.norm.weight"])
+    assert plan.kept_for("search") == ["*embed_tokens.weight", "*.norm.weight"]
+    assert plan.kept_for("math") == ["*.norm.weight"] and plan.kept_for(None) == ["*.norm.weight"]
+    assert plan.keeps_base(EMBEDDING, "search") and not plan.keeps_base(EMBEDDING, "math")
+    assert not plan.keeps_base(EMBEDDING) and plan.keeps_base("model.norm.weight", "code")
+    for bad in [":x", "search:", "a:b:c", "d" * 65 + ":x"]:
+        with pytest.raises(ValidationError, match="DOMAIN:GLOB"):
+            MergePlan(keep_base_tensors=[bad])
+
+
+def test_a_merge_keeps_a_tensor_at_the_base_only_in_the_domain_named(tmp_path, tiny_base):
+    """search's embedding is left out of its task vector, math's is summed: the merged
+    embedding is the base plus math's delta alone, every other tensor the base plus both."""
+    key = load_or_create_identity(tmp_path / "node.key")
+    base = dict(iter_base_tensors(tiny_base))
+    blobs = BlobStore(tmp_path / "blobs")
+    tuned = {d: noisy(base, seed=i, scale=1e-3) for i, d in enumerate(("math", "search"))}
+    experts = expert_inputs(base, tuned, blobs, key)
+    plan = MergePlan(
+        method="task_arithmetic",
+        parameters={"weight": 1.0},
+        keep_base_tensors=["search:*embed_tokens.weight"],
+    )
+    merged = merged_by(plan, tiny_base, experts, tmp_path / "work")
+    for name, tensor in base.items():
+        domains = ["math"] if name == EMBEDDING else ["math", "search"]
+        summed = tensor + sum(tuned[d][name] - tensor for d in domains)
+        assert torch.allclose(merged[name], summed, atol=1e-6), name
+    assert not torch.allclose(
+        merged[EMBEDDING],
+        base[EMBEDDING] + sum(tuned[d][EMBEDDING] - base[EMBEDDING] for d in tuned),
+    )
+
+
 @pytest.mark.parametrize("keep", [list(VOCABULARY), []])
 def test_a_merge_leaves_the_kept_tensors_at_the_base_and_sums_the_rest(tmp_path, tiny_base, keep):
     """Two deltas merged by task arithmetic at λ 1 (one spec, published): every tensor is the
@@ -78,7 +113,7 @@ def test_the_own_domain_gate_scores_a_delta_as_the_merge_applies_it(tmp_path, ti
     assert gate[0]["expert"] is not None and gate[0]["base"] is not None
     assert merging == experts[: len(merging)]
     scored = list((work / "experts").iterdir())
-    assert scored == [expert_folder(tiny_base, experts[0], work, plan.keep_base_tensors)]
+    assert scored == [expert_folder(tiny_base, experts[0], work, plan.kept_for("math"))]
     weights = load_file(scored[0] / "model.safetensors")
     assert torch.equal(weights[EMBEDDING], base[EMBEDDING])
     moved = [name for name in base if not torch.equal(weights[name], base[name])]
