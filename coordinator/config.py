@@ -173,6 +173,7 @@ MAX_DOMAIN_WEIGHT = 2.0
 MAX_WEIGHTED_DOMAINS = 5
 MAX_KEEP_BASE_PATTERNS = 16
 MAX_KEEP_BASE_PATTERN_CHARS = 200
+MAX_DOMAIN_CHARS = 64  # a domain name, as a delta's manifest bounds it
 
 
 def _default_domain_scale() -> dict[str, float]:
@@ -190,19 +191,6 @@ def _default_keep_base_tensors() -> list[str]:
 def matches_any(tensor: str, patterns: Sequence[str]) -> bool:
     """Whether the tensor name `tensor` matches one of the glob `patterns` (case-sensitive)."""
     return any(fnmatch.fnmatchcase(tensor, p) for p in patterns)
-
-
-def patterns_for(domain: str | None, patterns: Sequence[str]) -> list[str]:
-    """The globs of `patterns` that apply to `domain`'s deltas: every unqualified one, and the
-    glob of each `DOMAIN:GLOB` whose DOMAIN is `domain` (tensor names hold no colon)."""
-    applied = []
-    for pattern in patterns:
-        named, colon, glob = pattern.partition(":")
-        if not colon:
-            applied.append(pattern)
-        elif named == domain:
-            applied.append(glob)
-    return applied
 
 
 class MergePlan(MergeSpec):
@@ -297,12 +285,12 @@ class MergePlan(MergeSpec):
         for pattern in value:
             named, colon, glob = pattern.partition(":")
             if not 0 < len(pattern) <= MAX_KEEP_BASE_PATTERN_CHARS or (
-                colon and not (0 < len(named) <= 64 and glob and ":" not in glob)
+                colon and not (0 < len(named) <= MAX_DOMAIN_CHARS and glob and ":" not in glob)
             ):
                 raise ValueError(
                     f"keep_base_tensors patterns are GLOB or DOMAIN:GLOB (a domain name of 1 to "
-                    f"64 characters), 1 to {MAX_KEEP_BASE_PATTERN_CHARS} characters; got "
-                    f"{pattern!r}"
+                    f"{MAX_DOMAIN_CHARS} characters), 1 to {MAX_KEEP_BASE_PATTERN_CHARS} "
+                    f"characters; got {pattern!r}"
                 )
         return value
 
@@ -310,17 +298,26 @@ class MergePlan(MergeSpec):
     @classmethod
     def _bounded_scales(cls, value: dict[str, float]) -> dict[str, float]:
         for domain, scale in value.items():
-            if not 0 < len(domain) <= 64 or not 0 < scale <= MAX_DOMAIN_WEIGHT:
+            if not 0 < len(domain) <= MAX_DOMAIN_CHARS or not 0 < scale <= MAX_DOMAIN_WEIGHT:
                 raise ValueError(
-                    f"domain_scale maps a domain name (1 to 64 characters) to a factor in "
+                    f"domain_scale maps a domain name (1 to {MAX_DOMAIN_CHARS} characters) to a "
+                    f"factor in "
                     f"(0, {MAX_DOMAIN_WEIGHT}]; got {domain!r}: {scale}"
                 )
         return value
 
     def kept_for(self, domain: str | None) -> list[str]:
-        """The globs of keep_base_tensors that `domain`'s deltas leave at the base (None: the
-        unqualified ones alone)."""
-        return patterns_for(domain, self.keep_base_tensors)
+        """The globs of keep_base_tensors that `domain`'s deltas leave at the base: every
+        unqualified pattern, and the glob of each DOMAIN:GLOB naming `domain` (None: the
+        unqualified ones alone; tensor names hold no colon)."""
+        applied = []
+        for pattern in self.keep_base_tensors:
+            named, colon, glob = pattern.partition(":")
+            if not colon:
+                applied.append(pattern)
+            elif named == domain:
+                applied.append(glob)
+        return applied
 
     def keeps_base(self, tensor: str, domain: str | None = None) -> bool:
         """Whether the merge leaves `tensor` of a `domain` delta at the base's weights
