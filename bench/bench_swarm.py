@@ -49,7 +49,7 @@ from skillswarm.agent.envs import get_environment
 from skillswarm.agent.evaluate import evaluate_checkpoint
 from skillswarm.agent.model import load_policy, set_torch_threads
 from skillswarm.agent.stats import paired_difference
-from skillswarm.coordinator.candidates import gate_by_own_domain, merge_and_decide
+from skillswarm.coordinator.candidates import gate_by_own_domain, merge_and_decide, own_targets
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, scores_row
 from skillswarm.coordinator.publication import publication_rule
@@ -301,6 +301,7 @@ class Bench:
                 own_domain_gate=not args.no_gate,
                 own_domain_gate_alpha=args.gate_alpha,
                 subsets_on_hold=not args.no_subsets,
+                choose_by=args.choose_by,
                 domain_weights=args.domain_weights,
                 candidates=args.lambdas,
                 keep_base_tensors=args.keep_base_tensors,
@@ -476,6 +477,7 @@ class Bench:
             number,
             decide,
             lambda e: TaskVector(name=e.domain, expert=e.reader.expert),
+            own_targets(gate, merging),
         )
         chosen, candidates = verdict.merged.spec, verdict.merged.records
         decision, candidate_dir = verdict.decision, verdict.candidate_dir
@@ -483,7 +485,12 @@ class Bench:
             self.log(
                 f"round {number}: subset {[label.split(':')[-1] for label in subset['merged']]}: "
                 f"{'passes' if subset['publish'] else 'held'} (validation mean reward "
-                f"{subset['score']:.3f})"
+                f"{subset['score']:.3f}"
+                + (
+                    f", largest shortfall {subset['shortfall']:.3f})"
+                    if "shortfall" in subset
+                    else ")"
+                )
             )
         table = self.evaluator.evaluation_table(
             base_id,
@@ -805,6 +812,14 @@ def main() -> int:
         action="store_true",
         help="hold a round whose merge the publication rule refuses, without trying the merge "
         "again with a delta left out (the coordinator's subsets_on_hold)",
+    )
+    parser.add_argument(
+        "--choose-by",
+        choices=["mean", "shortfall"],
+        default=MergePlan().choose_by,
+        help="what the round publishes: 'shortfall' also tries the merge without each delta "
+        "and takes the passing one whose worst domain falls least short of its own delta "
+        "alone (the coordinator's choose_by; default %(default)s)",
     )
     parser.add_argument(
         "--outer-lr", type=float, default=1.0, help="the outer optimizer's learning rate"

@@ -29,7 +29,9 @@ __all__ = [
     "mean_score",
     "merge_and_decide",
     "merge_candidates",
+    "own_targets",
     "scaled_for_domain",
+    "shortfall",
 ]
 
 log = logging.getLogger(__name__)
@@ -152,14 +154,22 @@ def merge_and_decide(
     number: int,
     decide: Callable[[Mapping[str, Mapping[str, Any]]], Decision],
     task_vector: Callable[[ExpertInput], TaskVector],
+    targets: Mapping[str, float] | None = None,
 ) -> Verdict:
     """Merge `merging` by the plan's specs and its per-domain weights, take the outer step and
     put the candidate's validation scores to `decide` (the publication rule). When it holds and
     the plan says `subsets_on_hold`, merge again without each delta in turn (the chosen spec),
     score each subset on the validation tasks and put it to the same rule: the best-scoring
     subset that passes is the verdict; if none passes, the same from the best-scoring subset,
-    until one delta is left. With no subset passing, the verdict is the full merge's hold."""
+    until one delta is left. With no subset passing, the verdict is the full merge's hold.
+
+    With plan.choose_by "shortfall" the subsets without one delta are tried whether or not the
+    merge of all passes, and "best" ranks by the largest shortfall of a domain below its
+    `targets` value (domain → the validation reward its deltas reached alone, own_targets),
+    smallest first, then by mean reward; the merge of all is among the first tries."""
     experts = list(merging)
+    if plan.choose_by == "shortfall" and targets is None:
+        raise ValueError("choose_by 'shortfall' needs the own-domain targets of the deltas")
 
     def vector_of(expert: ExpertInput) -> TaskVector:
         kept = kept_at_base(plan, expert.domain, task_vector(expert))
@@ -174,16 +184,29 @@ def merge_and_decide(
     ]
     merged = merge_candidates(specs, base_dir, vectors, work, evaluator)
     candidate_dir = outer.step(base_id, base_dir, merged.folder, work / "stepped", number)
-    decision = decide(candidate_validation(merged, candidate_dir, evaluator))
+    validation = candidate_validation(merged, candidate_dir, evaluator)
+    decision = decide(validation)
     held = Verdict(experts, merged, candidate_dir, decision, [])
-    if decision.publish or not plan.subsets_on_hold:
+    by_shortfall = plan.choose_by == "shortfall" and len(experts) > 1
+
+    def rank(tried: _SubsetTry) -> tuple[bool, float, float]:
+        worst = shortfall(tried.scores, targets or {}) if by_shortfall else 0.0
+        return (tried.decision.publish, -worst, tried.score)
+
+    if not by_shortfall and (decision.publish or not plan.subsets_on_hold):
         return held
+    whole = _SubsetTry(experts, None, merged.folder, candidate_dir, validation, decision)
+    if by_shortfall:
+        held.subsets.append(_subset_record(whole, targets or {}))
     current = experts
     while len(current) > 1:
-        # The best try so far (one that passes before any that does not, then the higher mean
-        # reward, ties to the earlier); every other try's checkpoints are deleted at once, so a
-        # large model's disk holds at most two subsets at a time.
-        best: _SubsetTry | None = None
+        # The best try so far (one that passes before any that does not, then the smaller
+        # shortfall or the higher mean reward, ties to the earlier); every other try's
+        # checkpoints are deleted at once, so a large model's disk holds at most two subsets at
+        # a time. With choose_by "shortfall" a merge of all that passes is the first pass's
+        # first try.
+        first = by_shortfall and current is experts and decision.publish
+        best: _SubsetTry | None = whole if first else None
         for index in range(len(current)):
             subset = current[:index] + current[index + 1 :]
             folder = work / f"subset-{len(held.subsets)}"
@@ -193,21 +216,17 @@ def merge_and_decide(
             stepped = outer.step(base_id, base_dir, merged_dir, folder / "stepped", number)
             scores = evaluator.validation_scores(stepped)
             tried = _SubsetTry(subset, folder, merged_dir, stepped, scores, decide(scores))
-            held.subsets.append(
-                {
-                    "merged": [e.label for e in subset],
-                    "score": tried.score,
-                    "publish": tried.decision.publish,
-                    "reason": tried.decision.reason,
-                }
-            )
-            if best is None or tried.rank > best.rank:
-                if best is not None:
+            held.subsets.append(_subset_record(tried, targets if by_shortfall else None))
+            if best is None or rank(tried) > rank(best):
+                if best is not None and best.folder is not None:
                     shutil.rmtree(best.folder, ignore_errors=True)
                 best = tried
             else:
                 shutil.rmtree(folder, ignore_errors=True)
         assert best is not None  # current holds at least two deltas
+        if best is whole:
+            return held
+        assert best.folder is not None
         if best.decision.publish:
             labels = [e.label for e in best.subset]
             log.info("round %d: the merge of %s passes the rule", number, labels)
@@ -257,7 +276,7 @@ class _SubsetTry:
     """One subset of a held merge, merged, stepped, scored and judged."""
 
     subset: list[ExpertInput]
-    folder: Path
+    folder: Path | None  # None: the merge of every delta, whose folders the round keeps
     merged_dir: Path
     stepped: Path
     scores: dict[str, dict[str, Any]]
@@ -267,9 +286,41 @@ class _SubsetTry:
     def score(self) -> float:
         return mean_score(self.scores)
 
-    @property
-    def rank(self) -> tuple[bool, float]:
-        return (self.decision.publish, self.score)
+
+def _subset_record(tried: _SubsetTry, targets: Mapping[str, float] | None) -> dict[str, Any]:
+    """A try as the round's decision lists it under `subsets` (with its shortfall when the
+    round chooses by it)."""
+    record = {
+        "merged": [e.label for e in tried.subset],
+        "score": tried.score,
+        "publish": tried.decision.publish,
+        "reason": tried.decision.reason,
+    }
+    if targets is not None:
+        record["shortfall"] = shortfall(tried.scores, targets)
+    return record
+
+
+def own_targets(
+    gate: Sequence[Mapping[str, Any]], merging: Sequence[ExpertInput]
+) -> dict[str, float]:
+    """domain → the validation mean reward the merged deltas of that domain reached alone on it
+    (the best of them, and at least the base's), from the own-domain gate's records; a delta
+    the gate did not score (its domain not evaluated) sets none."""
+    labels = {e.label for e in merging}
+    targets: dict[str, float] = {}
+    for entry in gate:
+        if entry["label"] in labels and None not in (entry.get("base"), entry.get("expert")):
+            reach = max(float(entry["base"]), float(entry["expert"]))
+            targets[entry["domain"]] = max(targets.get(entry["domain"], reach), reach)
+    return targets
+
+
+def shortfall(scores: Mapping[str, Mapping[str, Any]], targets: Mapping[str, float]) -> float:
+    """The largest amount by which a candidate's validation mean reward falls short of a
+    domain's target (0 when it reaches every one)."""
+    gaps = [targets[d] - mean_reward(row) for d, row in scores.items() if d in targets]
+    return max([0.0, *gaps])
 
 
 def mean_score(scores: Mapping[str, Mapping[str, Any]]) -> float:

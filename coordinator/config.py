@@ -267,6 +267,17 @@ class MergePlan(MergeSpec):
         "validation tasks and put to the same rule) and publish the best subset that passes; "
         "if none does, go on from the best-scoring subset until one delta is left",
     )
+    choose_by: Literal["mean", "shortfall"] = Field(
+        default="mean",
+        description="'mean': publish the merge of every delta, and after a hold the subset "
+        "with the best mean validation reward that passes the rule. 'shortfall': also merge "
+        "the round without each delta in turn whether or not the merge of all passes, and "
+        "publish, of those that pass, the one whose worst domain falls least short of what "
+        "that domain's delta reached alone on its validation tasks (the own-domain gate's "
+        "score; ties to the higher mean): a delta that gains little on its own domain and "
+        "costs another domain's gain is left out of that round. Needs own_domain_gate and "
+        "domain_scale = {}; costs one merge and validation per delta a round",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -278,6 +289,20 @@ class MergePlan(MergeSpec):
             defaults = {"candidates": [], "domain_weights": [], "domain_scale": {}}
             return {**defaults, "keep_base_tensors": [], **data}
         return data
+
+    @model_validator(mode="after")
+    def _shortfall_needs_the_gate(self) -> MergePlan:
+        if self.choose_by == "shortfall" and not self.own_domain_gate:
+            raise ValueError(
+                "choose_by = 'shortfall' measures each delta alone through the own-domain "
+                "gate: set own_domain_gate = true"
+            )
+        if self.choose_by == "shortfall" and any(s != 1.0 for s in self.domain_scale.values()):
+            raise ValueError(
+                "choose_by = 'shortfall' compares a merge with each delta alone at its whole "
+                "size, which a scaled domain cannot reach: set domain_scale = {}"
+            )
+        return self
 
     @field_validator("keep_base_tensors")
     @classmethod

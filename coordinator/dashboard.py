@@ -141,9 +141,11 @@ function decisionBlock(round) {
       decision.gate.map((g) => [g.label, g.domain, reward(g.base), reward(g.expert),
         p(g.p_worse), g.kept ? "kept" : "left out"]), "gate-" + round.number) : "",
     (decision.subsets || []).length ? table(
-      ["merged again without a delta", "validation mean reward", "verdict"],
+      ["merged again without a delta", "validation mean reward", "largest shortfall",
+        "verdict"],
       decision.subsets.map((s) => [(s.merged || []).join(", "),
         typeof s.score === "number" ? s.score.toFixed(3) : "–",
+        typeof s.shortfall === "number" ? s.shortfall.toFixed(3) : "–",
         (s.publish ? "passes: " : "held: ") + (s.reason || "")])) : "",
     comparisonTable(decision.comparisons, "base"),
     comparisonTable(decision.origin_comparisons, "round 0"));

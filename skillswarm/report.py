@@ -350,13 +350,16 @@ def _round_section(record: Mapping[str, Any]) -> str:
         )
     subsets = (record.get("decision") or {}).get("subsets") or []
     if subsets:
-        section += f"<h3>Round {record['number']}: the held merge, tried again without a delta</h3>"
+        section += f"<h3>Round {record['number']}: the merge tried again without a delta</h3>"
         section += _table(
-            ["deltas merged", "validation mean reward", "verdict"],
+            ["deltas merged", "validation mean reward", "largest shortfall", "verdict"],
             [
                 [
                     ", ".join(str(label) for label in subset.get("merged") or []),
                     "–" if _number(subset.get("score")) is None else f"{subset['score']:.3f}",
+                    "–"
+                    if _number(subset.get("shortfall")) is None
+                    else f"{subset['shortfall']:.3f}",
                     ("passes: " if subset.get("publish") else "held: ")
                     + str(subset.get("reason", "")),
                 ]

@@ -217,7 +217,8 @@ def test_dashboard_shows_nodes_rounds_scores_held_rounds_and_curves(
     )
     # The paired difference merged − base on math: 2 vs 12 of the same 16 tasks.
     assert (
-        "<td>expert:math:0123456789ab</td><td>0.125</td><td>held: worse on math</td>" in held_card
+        "<td>expert:math:0123456789ab</td><td>0.125</td><td>–</td><td>held: worse on math</td>"
+        in held_card
     )
     # The own-domain gate: each delta's mean reward alone beside the base's, and its verdict.
     gate = re.search(r'<table id="gate-2">.*?</table>', held_card, re.DOTALL)

@@ -169,6 +169,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
         "keep_base_tensors": [],
         "domain_scale": {},
         "subsets_on_hold": True,
+        "choose_by": "mean",
     }
     assert response.json() == plan
     assert client.get("/v1/info").json()["merge"] == plan
@@ -201,6 +202,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
         "keep_base_tensors": [],
         "domain_scale": {},
         "subsets_on_hold": True,
+        "choose_by": "mean",
     }
 
     in_json = {

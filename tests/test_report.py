@@ -121,7 +121,13 @@ def _rounds() -> list[dict[str, Any]]:
             ],
             "subsets": [
                 {"merged": ["expert:code:c"], "score": 0.25, "publish": False, "reason": "no"},
-                {"merged": ["expert:math:b"], "score": 0.625, "publish": True, "reason": "ok"},
+                {
+                    "merged": ["expert:math:b"],
+                    "score": 0.625,
+                    "shortfall": 0.0625,
+                    "publish": True,
+                    "reason": "ok",
+                },
             ],
         },
         "error": None,
@@ -233,10 +239,10 @@ def test_report_shows_intervals_the_verdict_held_rounds_and_the_lead_plot(tmp_pa
         r"<td>math</td><td>success</td><td>-12\.5 \[-\d+\.\d, [-+]\d+\.\d\]</td>", against_origin
     )
     assert "candidate − round 0" not in round2
-    tried = round2.split("tried again without a delta", 1)[1].split("</table>", 1)[0]
-    assert "<td>expert:code:c</td><td>0.250</td><td>held: no</td>" in tried
-    assert "<td>expert:math:b</td><td>0.625</td><td>passes: ok</td>" in tried
-    assert "tried again without a delta" not in round3
+    tried = round2.split("the merge tried again without a delta", 1)[1].split("</table>", 1)[0]
+    assert "<td>expert:code:c</td><td>0.250</td><td>–</td><td>held: no</td>" in tried
+    assert "<td>expert:math:b</td><td>0.625</td><td>0.062</td><td>passes: ok</td>" in tried
+    assert "the merge tried again without a delta" not in round3
     gate = round2.split("the own-domain gate", 1)[1].split("</table>", 1)[0]
     assert "<td>expert:math:b</td><td>math</td><td>0.375</td><td>0.562</td><td>0.98</td>" in gate
     assert "<td>0.00049</td><td>left out</td>" in gate
