@@ -225,7 +225,12 @@ def merge_and_decide(
                 shutil.rmtree(folder, ignore_errors=True)
         assert best is not None  # current holds at least two deltas
         if best is whole:
-            return held
+            if not outer.keeps_state:
+                return held
+            # The tries after it stepped the outer optimizer too: its pending state must be
+            # the merge of all's again.
+            stepped = outer.step(base_id, base_dir, merged.folder, work / "chosen", number)
+            return Verdict(experts, merged, stepped, decision, held.subsets)
         assert best.folder is not None
         if best.decision.publish:
             labels = [e.label for e in best.subset]

@@ -16,7 +16,12 @@ from skillswarm.coordinator.candidates import merge_and_decide, own_targets, sho
 from skillswarm.coordinator.config import EvalConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator
 from skillswarm.coordinator.publication import Decision
-from skillswarm.merge.outer import OuterOptimizer, OuterOptimizerConfig
+from skillswarm.merge.outer import (
+    OuterOptimizer,
+    OuterOptimizerConfig,
+    commit_pending,
+    load_state,
+)
 from skillswarm.merge.streaming import TaskVector
 from skillswarm.merge.tensors import iter_base_tensors
 from skillswarm.protocol.blobstore import BlobStore
@@ -86,7 +91,14 @@ class _Scripted(Evaluator):
         return self.script[held]
 
 
-def _run(tmp_path: Path, tiny_base: Path, plan: MergePlan, script: dict, targets: dict):
+def _run(
+    tmp_path: Path,
+    tiny_base: Path,
+    plan: MergePlan,
+    script: dict,
+    targets: dict,
+    outer: OuterOptimizerConfig | None = None,
+):
     key = load_or_create_identity(tmp_path / "node.key")
     base = dict(iter_base_tensors(tiny_base))
     tuned = {d: noisy(base, seed=i, scale=1e-3) for i, d in enumerate(DOMAINS)}
@@ -97,7 +109,7 @@ def _run(tmp_path: Path, tiny_base: Path, plan: MergePlan, script: dict, targets
     verdict = merge_and_decide(
         plan,
         evaluator,
-        OuterOptimizer(tmp_path / "outer", OuterOptimizerConfig()),
+        OuterOptimizer(tmp_path / "outer", outer or OuterOptimizerConfig()),
         "b" * 64,
         tiny_base,
         experts,
@@ -107,7 +119,7 @@ def _run(tmp_path: Path, tiny_base: Path, plan: MergePlan, script: dict, targets
         lambda e: TaskVector(name=e.domain, expert=e.reader.expert),
         targets,
     )
-    return verdict, evaluator, work
+    return verdict, evaluator, work, base, tuned
 
 
 ALL = frozenset(DOMAINS)
@@ -123,7 +135,7 @@ TARGETS = {"math": 0.75, "code": 0.60, "search": 0.60}
 
 def test_the_passing_merge_with_the_smallest_shortfall_is_published(tmp_path, tiny_base):
     plan = MergePlan(choose_by="shortfall", domain_scale={})
-    verdict, evaluator, work = _run(tmp_path, tiny_base, plan, SCRIPT, TARGETS)
+    verdict, evaluator, work, _, _ = _run(tmp_path, tiny_base, plan, SCRIPT, TARGETS)
     assert evaluator.seen == [ALL, *(ALL - {d} for d in DOMAINS)]  # every delta held or left out
     assert verdict.decision.publish
     assert [e.domain for e in verdict.merging] == ["math", "code"]
@@ -136,7 +148,7 @@ def test_the_passing_merge_with_the_smallest_shortfall_is_published(tmp_path, ti
 
     # By mean validation reward (the default), the merge of all passes and goes out as it is.
     plan = MergePlan(domain_scale={})
-    default, evaluator, _ = _run(tmp_path / "mean", tiny_base, plan, SCRIPT, TARGETS)
+    default, evaluator, *_ = _run(tmp_path / "mean", tiny_base, plan, SCRIPT, TARGETS)
     assert evaluator.seen == [ALL] and default.subsets == []
     assert len(default.merging) == 3 and default.decision.publish
 
@@ -144,8 +156,23 @@ def test_the_passing_merge_with_the_smallest_shortfall_is_published(tmp_path, ti
 def test_the_merge_of_all_stays_when_it_falls_least_short(tmp_path, tiny_base):
     script = SCRIPT | {ALL: _rows(0.80, 0.55, 0.60)}  # code 0.05 short, the least of the four
     plan = MergePlan(choose_by="shortfall", domain_scale={})
-    verdict, evaluator, work = _run(tmp_path, tiny_base, plan, script, TARGETS)
+    verdict, evaluator, work, _, _ = _run(tmp_path, tiny_base, plan, script, TARGETS)
     assert len(evaluator.seen) == 4
     assert len(verdict.merging) == 3 and verdict.decision.publish
     assert verdict.candidate_dir == verdict.merged.folder  # the merge of all, an identity step
     assert list(work.glob("subset-*")) == []  # every try without one delta deleted
+
+    # With outer momentum every try steps the optimizer; the state left pending is the merge
+    # of all's (momentum g, the sum of the three deltas, on the first round), not the last try's.
+    momentum = OuterOptimizerConfig(momentum=0.5)
+    verdict, _, _, base, tuned = _run(tmp_path / "m", tiny_base, plan, script, TARGETS, momentum)
+    assert len(verdict.merging) == 3
+    state = tmp_path / "m" / "outer"
+    commit_pending(state, "c" * 64)
+    buffers = load_state(state, "c" * 64)
+    assert buffers is not None
+    name = next(n for n, t in base.items() if t.ndim == 2 and "embed" not in n)
+    g = sum(tuned[d][name] - base[name] for d in DOMAINS)
+    assert torch.allclose(buffers[name], g, atol=1e-5)
+    published = load_file(next(verdict.candidate_dir.glob("*.safetensors")))[name]
+    assert torch.allclose(published, base[name] + 1.5 * g, atol=1e-5)
