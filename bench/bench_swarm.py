@@ -49,7 +49,7 @@ from skillswarm.agent.envs import get_environment
 from skillswarm.agent.evaluate import evaluate_checkpoint
 from skillswarm.agent.model import load_policy, set_torch_threads
 from skillswarm.agent.stats import paired_difference
-from skillswarm.coordinator.candidates import gate_by_own_domain, merge_and_decide, own_targets
+from skillswarm.coordinator.candidates import gate_by_own_domain, merge_and_decide
 from skillswarm.coordinator.config import CoordinatorConfig, EvalConfig, MergePlan
 from skillswarm.coordinator.evaluation import Evaluator, ExpertInput, scores_row
 from skillswarm.coordinator.publication import publication_rule
@@ -477,7 +477,7 @@ class Bench:
             number,
             decide,
             lambda e: TaskVector(name=e.domain, expert=e.reader.expert),
-            own_targets(gate, merging),
+            gate,
         )
         chosen, candidates = verdict.merged.spec, verdict.merged.records
         decision, candidate_dir = verdict.decision, verdict.candidate_dir

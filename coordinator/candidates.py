@@ -154,7 +154,7 @@ def merge_and_decide(
     number: int,
     decide: Callable[[Mapping[str, Mapping[str, Any]]], Decision],
     task_vector: Callable[[ExpertInput], TaskVector],
-    targets: Mapping[str, float] | None = None,
+    gate: Sequence[Mapping[str, Any]] = (),
 ) -> Verdict:
     """Merge `merging` by the plan's specs and its per-domain weights, take the outer step and
     put the candidate's validation scores to `decide` (the publication rule). When it holds and
@@ -164,12 +164,10 @@ def merge_and_decide(
     until one delta is left. With no subset passing, the verdict is the full merge's hold.
 
     With plan.choose_by "shortfall" the subsets without one delta are tried whether or not the
-    merge of all passes, and "best" ranks by the largest shortfall of a domain below its
-    `targets` value (domain → the validation reward its deltas reached alone, own_targets),
-    smallest first, then by mean reward; the merge of all is among the first tries."""
+    merge of all passes, and "best" ranks by the largest shortfall of a domain below what its
+    deltas reached alone (own_targets of the own-domain `gate`'s records), smallest first, then
+    by mean reward; the merge of all is among the first tries."""
     experts = list(merging)
-    if plan.choose_by == "shortfall" and targets is None:
-        raise ValueError("choose_by 'shortfall' needs the own-domain targets of the deltas")
 
     def vector_of(expert: ExpertInput) -> TaskVector:
         kept = kept_at_base(plan, expert.domain, task_vector(expert))
@@ -188,16 +186,17 @@ def merge_and_decide(
     decision = decide(validation)
     held = Verdict(experts, merged, candidate_dir, decision, [])
     by_shortfall = plan.choose_by == "shortfall" and len(experts) > 1
+    targets = own_targets(gate, experts) if by_shortfall else None
 
     def rank(tried: _SubsetTry) -> tuple[bool, float, float]:
-        worst = shortfall(tried.scores, targets or {}) if by_shortfall else 0.0
+        worst = 0.0 if targets is None else shortfall(tried.scores, targets)
         return (tried.decision.publish, -worst, tried.score)
 
     if not by_shortfall and (decision.publish or not plan.subsets_on_hold):
         return held
     whole = _SubsetTry(experts, None, merged.folder, candidate_dir, validation, decision)
     if by_shortfall:
-        held.subsets.append(_subset_record(whole, targets or {}))
+        held.subsets.append(_subset_record(whole, targets))
     current = experts
     while len(current) > 1:
         # The best try so far (one that passes before any that does not, then the smaller
@@ -216,7 +215,7 @@ def merge_and_decide(
             stepped = outer.step(base_id, base_dir, merged_dir, folder / "stepped", number)
             scores = evaluator.validation_scores(stepped)
             tried = _SubsetTry(subset, folder, merged_dir, stepped, scores, decide(scores))
-            held.subsets.append(_subset_record(tried, targets if by_shortfall else None))
+            held.subsets.append(_subset_record(tried, targets))
             if best is None or rank(tried) > rank(best):
                 if best is not None and best.folder is not None:
                     shutil.rmtree(best.folder, ignore_errors=True)

@@ -326,8 +326,7 @@ class MergePlan(MergeSpec):
             if not 0 < len(domain) <= MAX_DOMAIN_CHARS or not 0 < scale <= MAX_DOMAIN_WEIGHT:
                 raise ValueError(
                     f"domain_scale maps a domain name (1 to {MAX_DOMAIN_CHARS} characters) to a "
-                    f"factor in "
-                    f"(0, {MAX_DOMAIN_WEIGHT}]; got {domain!r}: {scale}"
+                    f"factor in (0, {MAX_DOMAIN_WEIGHT}]; got {domain!r}: {scale}"
                 )
         return value
 

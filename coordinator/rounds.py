@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from skillswarm.coordinator.candidates import gate_by_own_domain, merge_and_decide, own_targets
+from skillswarm.coordinator.candidates import gate_by_own_domain, merge_and_decide
 from skillswarm.coordinator.config import CoordinatorConfig, MergePlan
 from skillswarm.coordinator.evaluation import (
     DomainScores,
@@ -366,7 +366,7 @@ class Rounds:
                 number,
                 decide,
                 lambda e: TaskVector(name=ids[e.label][:16], expert=e.reader.expert),
-                own_targets(gate, merging),
+                gate,
             )
             chosen, decision = verdict.merged.spec, verdict.decision
             evaluation = self.evaluator.evaluation_table(

@@ -117,7 +117,11 @@ def _run(
         1,
         lambda scores: Decision(True, "passes"),
         lambda e: TaskVector(name=e.domain, expert=e.reader.expert),
-        targets,
+        # The own-domain gate's records: each delta alone reached its domain's target.
+        [
+            {"label": f"expert:{d}", "domain": d, "base": 0.0, "expert": t, "kept": True}
+            for d, t in targets.items()
+        ],
     )
     return verdict, evaluator, work, base, tuned
 
