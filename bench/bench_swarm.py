@@ -300,6 +300,7 @@ class Bench:
             merge=MergePlan(
                 own_domain_gate=not args.no_gate,
                 own_domain_gate_alpha=args.gate_alpha,
+                own_domain_min_gain=args.gate_min_gain,
                 subsets_on_hold=not args.no_subsets,
                 choose_by=args.choose_by,
                 domain_weights=args.domain_weights,
@@ -447,9 +448,12 @@ class Bench:
             self.config.merge, self.evaluator, base_id, base_dir, inputs, work
         )
         if left_out := [g["domain"] for g in gate if not g["kept"]]:
-            self.log(f"round {number}: left out (below the base on its own domain): {left_out}")
+            self.log(
+                f"round {number}: left out (below the base on its own domain, or short of "
+                f"--gate-min-gain): {left_out}"
+            )
         if not merging:
-            self.log(f"round {number}: held: every delta below the base on its own domain")
+            self.log(f"round {number}: held: the gate left out every delta")
             self.decisions.append({"round": number, "publish": False, "gate": gate})
             self.arms["swarm"].rounds[number] = self.arms["swarm"].rounds[number - 1]
             shutil.rmtree(work, ignore_errors=True)
@@ -723,6 +727,14 @@ def main() -> int:
         help="the own-domain gate leaves a delta out only when it is below the base on its own "
         "domain beyond noise, by the one-sided paired test at this level; 0: on any shortfall "
         "(the coordinator's own_domain_gate_alpha; default %(default)s)",
+    )
+    parser.add_argument(
+        "--gate-min-gain",
+        type=float,
+        default=MergePlan().own_domain_min_gain,
+        help="the own-domain gate also leaves out a delta whose own domain's mean validation "
+        "reward gains less than this over the base (the coordinator's own_domain_min_gain; "
+        "default %(default)s: off)",
     )
     parser.add_argument(
         "--keep-node-optimizer",

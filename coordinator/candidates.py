@@ -58,7 +58,8 @@ def gate_by_own_domain(
 ) -> tuple[list[ExpertInput], list[dict[str, Any]]]:
     """The experts a round merges and the own-domain gate's record of each: with the gate off,
     all of them and no record; else those scoring at least the base on their own domain's
-    validation tasks beyond noise (plan.own_domain_gate_alpha; `Evaluator.own_domain_gate`)."""
+    validation tasks beyond noise (plan.own_domain_gate_alpha) and gaining at least
+    plan.own_domain_min_gain there (`Evaluator.own_domain_gate`)."""
     if not plan.own_domain_gate:
         return list(experts), []
     gate = evaluator.own_domain_gate(
@@ -68,10 +69,18 @@ def gate_by_own_domain(
         work,
         alpha=plan.own_domain_gate_alpha,
         keep_base=plan.kept_for,
+        min_gain=plan.own_domain_min_gain,
     )
-    left_out = [entry["label"] for entry in gate if not entry["kept"]]
-    if left_out:
-        log.info("below the base on their own domain, left out of the merge: %s", left_out)
+    below = [e["label"] for e in gate if not e["kept"] and not e.get("short_of_min_gain")]
+    short = [e["label"] for e in gate if e.get("short_of_min_gain")]
+    if below:
+        log.info("below the base on their own domain, left out of the merge: %s", below)
+    if short:
+        log.info(
+            "gaining less than %g on their own domain, left out: %s",
+            plan.own_domain_min_gain,
+            short,
+        )
     return [e for e, entry in zip(experts, gate, strict=True) if entry["kept"]], gate
 
 

@@ -228,6 +228,14 @@ class MergePlan(MergeSpec):
         "the one-sided paired test on its own domain's per-task validation rewards at this "
         "level; 0: any shortfall in mean reward leaves it out",
     )
+    own_domain_min_gain: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="the gate also leaves out a delta whose own domain's mean validation reward "
+        "gains less than this over the base (e.g. 0.025: about three tasks in 128); 0: off. "
+        "A delta that no longer gains on its own domain still moves the others",
+    )
     domain_weights: list[float] = Field(
         default_factory=list,
         max_length=4,

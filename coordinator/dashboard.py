@@ -139,7 +139,8 @@ function decisionBlock(round) {
       ["own-domain gate: delta", "domain", "base mean reward", "delta alone", "p worse",
         "verdict"],
       decision.gate.map((g) => [g.label, g.domain, reward(g.base), reward(g.expert),
-        p(g.p_worse), g.kept ? "kept" : "left out"]), "gate-" + round.number) : "",
+        p(g.p_worse), g.kept ? "kept" : g.short_of_min_gain ? "left out: gained too little"
+          : "left out"]), "gate-" + round.number) : "",
     (decision.subsets || []).length ? table(
       ["merged again without a delta", "validation mean reward", "largest shortfall",
         "verdict"],

@@ -122,11 +122,12 @@ class Evaluator:
         work: Path,
         alpha: float = 0.0,
         keep_base: KeepBase | None = None,
+        min_gain: float = 0.0,
     ) -> list[dict[str, Any]]:
         """For each expert (its delta applied alone, the tensors `keep_base(its domain)` names
         left at the base as the merge leaves them), its own domain's mean reward on the
-        validation tasks beside the base's, and whether it is kept (`gate_verdict` at `alpha`).
-        An expert of a domain that is not evaluated is kept unscored."""
+        validation tasks beside the base's, and whether it is kept (`gate_verdict` at `alpha`
+        and `min_gain`). An expert of a domain that is not evaluated is kept unscored."""
         config = self.eval_config
         seed, n_tasks = config.validation_tasks_seed(), config.validation_task_count()
         gate: list[dict[str, Any]] = []
@@ -141,7 +142,8 @@ class Evaluator:
             base_reward = mean_reward(base[expert.domain])
             expert_reward = mean_reward(alone[expert.domain])
             entry |= {"base": base_reward, "expert": expert_reward}
-            gate.append(entry | gate_verdict(base[expert.domain], alone[expert.domain], alpha))
+            verdict = gate_verdict(base[expert.domain], alone[expert.domain], alpha, min_gain)
+            gate.append(entry | verdict)
         return gate
 
     def evaluate(self, checkpoints: Mapping[str, Path]) -> dict[str, DomainScores]:
@@ -210,19 +212,26 @@ def expert_folder(
 
 
 def gate_verdict(
-    base: Mapping[str, Any], expert: Mapping[str, Any], alpha: float
+    base: Mapping[str, Any], expert: Mapping[str, Any], alpha: float, min_gain: float = 0.0
 ) -> dict[str, Any]:
     """The own-domain gate on one delta, from the base's and the delta's rows on the same
     validation tasks: `kept` unless, with `alpha` > 0, the one-sided paired test on the per-task
     rewards says the delta is below the base at that level (`p_worse` given), or, with 0, its
-    mean reward is below the base's."""
+    mean reward is below the base's; and, with `min_gain` > 0, unless its mean reward gains at
+    least `min_gain` over the base's (`short_of_min_gain` set when that alone leaves it out)."""
     check_same_tasks(base, expert)
     if alpha == 0:
-        return {"kept": mean_reward(expert) >= mean_reward(base)}
-    kept, difference = not_worse(
-        outcomes_of(base, "reward"), outcomes_of(expert, "reward"), alpha=alpha
-    )
-    return {"kept": kept, "p_worse": difference.p_worse}
+        verdict: dict[str, Any] = {"kept": mean_reward(expert) >= mean_reward(base)}
+    else:
+        kept, difference = not_worse(
+            outcomes_of(base, "reward"), outcomes_of(expert, "reward"), alpha=alpha
+        )
+        verdict = {"kept": kept, "p_worse": difference.p_worse}
+    # Rewards are means over the same tasks: a gain of exactly min_gain is not lost to rounding.
+    gain = mean_reward(expert) - mean_reward(base)
+    if min_gain > 0 and verdict["kept"] and gain < min_gain - 1e-9:
+        verdict |= {"kept": False, "short_of_min_gain": True}
+    return verdict
 
 
 def scores_row(result: EvalResult, level: float = 0.95) -> dict[str, Any]:

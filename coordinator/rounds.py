@@ -340,7 +340,12 @@ class Rounds:
                     "merge_seconds": round(time.monotonic() - started, 3),
                     "decision": {
                         "publish": False,
-                        "reason": "every delta scored below the base on its own domain",
+                        "reason": "every delta scored below the base on its own domain"
+                        + (
+                            f" or gained less than {plan.own_domain_min_gain:g} there"
+                            if any(entry.get("short_of_min_gain") for entry in gate)
+                            else ""
+                        ),
                         "comparisons": {},
                         "gate": gate,
                     },

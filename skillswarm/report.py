@@ -327,7 +327,11 @@ def gate_rows(record: Mapping[str, Any]) -> list[list[str]]:
             reward(entry.get("base")),
             reward(entry.get("expert")),
             "–" if _number(entry.get("p_worse")) is None else f"{entry['p_worse']:.3g}",
-            "kept" if entry.get("kept") else "left out",
+            "kept"
+            if entry.get("kept")
+            else "left out: gained too little"
+            if entry.get("short_of_min_gain")
+            else "left out",
         ]
         for entry in entries
     ]

@@ -122,6 +122,15 @@ def _hold_round_on_hand_made_scores(coordinator: Coordinator, number: int) -> di
                         "kept": False,
                         "p_worse": 0.000122,
                     },
+                    {
+                        "label": "expert:search:5555aaaa5555",
+                        "domain": "search",
+                        "base": 0.5,
+                        "expert": 0.5,
+                        "kept": False,
+                        "p_worse": 0.6,
+                        "short_of_min_gain": True,
+                    },
                 ],
                 "subsets": [
                     {
@@ -231,6 +240,7 @@ def test_dashboard_shows_nodes_rounds_scores_held_rounds_and_curves(
         "<td>expert:code:ba9876543210</td><td>code</td><td>0.500</td><td>0.063</td>"
         "<td>0.000122</td><td>left out</td>" in gate.group(0)
     )
+    assert "<td>0.600</td><td>left out: gained too little</td>" in gate.group(0)
     against_base, against_origin = held_card.split("candidate − round 0 (points)", 1)
     assert re.search(r"<td>math</td><td>-62\.5 \[-\d+\.\d, -\d+\.\d\]</td>", against_base)
     # And merged − round 0: 2 vs 10.

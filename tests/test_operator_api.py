@@ -166,6 +166,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
         "domain_weights": [],  # a spec the operator sets merges as it says
         "own_domain_gate": True,
         "own_domain_gate_alpha": 0.05,
+        "own_domain_min_gain": 0.0,
         "keep_base_tensors": [],
         "domain_scale": {},
         "subsets_on_hold": True,
@@ -199,6 +200,7 @@ def test_merge_spec_from_json_and_mergekit_yaml_shows_in_info(client: TestClient
         "domain_weights": [],
         "own_domain_gate": True,
         "own_domain_gate_alpha": 0.05,
+        "own_domain_min_gain": 0.0,
         "keep_base_tensors": [],
         "domain_scale": {},
         "subsets_on_hold": True,

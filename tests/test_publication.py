@@ -124,6 +124,35 @@ def test_the_gate_with_a_level_leaves_out_only_a_delta_below_the_base_beyond_noi
         gate_verdict({"mean_reward": 0.5}, slightly, 0.05)
 
 
+def test_the_gate_with_a_minimum_gain_leaves_out_a_delta_that_gains_less():
+    def row(successes: list[int]) -> dict:
+        return _row(successes) | {"mean_reward": sum(successes) / len(successes)}
+
+    base = row([1] * 30 + [0] * 30)
+    one_more = row([1] * 31 + [0] * 29)
+    two_more = row([1] * 32 + [0] * 28)
+    two_less = row([1] * 28 + [0] * 32)
+    for alpha in (0.0, 0.05):
+        # One task gained of the two asked for: left out, and the record says why.
+        short = gate_verdict(base, one_more, alpha, min_gain=2 / 60)
+        assert not short["kept"] and short["short_of_min_gain"]
+        # Exactly the minimum, a mean of 32/60 against 30/60, is enough.
+        reached = gate_verdict(base, two_more, alpha, min_gain=2 / 60)
+        assert reached["kept"] and "short_of_min_gain" not in reached
+        # Off by default: a delta that gains nothing is kept.
+        assert gate_verdict(base, base, alpha)["kept"]
+    # Below the base, within noise: kept by the level alone, left out by the minimum gain.
+    assert gate_verdict(base, two_less, 0.05)["kept"]
+    assert gate_verdict(base, two_less, 0.05, min_gain=1 / 60)["short_of_min_gain"]
+    # Below the base at the level: left out for that, not for the gain.
+    beyond = gate_verdict(base, two_less, 0.3, min_gain=1 / 60)
+    assert not beyond["kept"] and "short_of_min_gain" not in beyond
+    with pytest.raises(ValueError):
+        MergePlan(own_domain_min_gain=-0.1)
+    with pytest.raises(ValueError):
+        MergePlan(own_domain_min_gain=1.5)
+
+
 def _degraded(base_dir: Path, out: Path, scale: float = 0.5, seed: int = 0) -> Path:
     """A copy of `base_dir` with Gaussian noise of `scale` × each tensor's RMS on its weights."""
     shutil.copytree(base_dir, out)
@@ -143,6 +172,7 @@ def _coordinator(
     base: Path,
     gate: bool = False,
     gate_alpha: float = MergePlan().own_domain_gate_alpha,
+    min_gain: float = 0.0,
     quorum: int = 1,
     subsets: bool = True,
     outer: OuterOptimizerConfig | None = None,
@@ -160,6 +190,7 @@ def _coordinator(
         merge=MergePlan(
             own_domain_gate=gate,
             own_domain_gate_alpha=gate_alpha,
+            own_domain_min_gain=min_gain,
             subsets_on_hold=subsets,
             domain_scale={},
             keep_base_tensors=[],
@@ -253,6 +284,40 @@ def test_a_delta_that_lowers_its_own_domain_is_left_out_of_the_merge(tmp_path, t
         assert alone.rounds.current_round().base_id == base_id
     finally:
         alone.store.close()
+
+
+def test_a_delta_short_of_the_minimum_gain_on_its_own_domain_is_left_out(tmp_path, tiny_base):
+    degraded = _degraded(tiny_base, tmp_path / "degraded")
+    key = load_or_create_identity(tmp_path / "node.key")
+    # A delta back to the undegraded weights gains on math, but not the whole of it.
+    strict = _coordinator(tmp_path / "strict", degraded, gate=True, min_gain=1.0)
+    try:
+        base_id = strict.current_base().id
+        hand_in_delta(strict, key, current_base_tensors_of(tiny_base))
+        held = strict.rounds.round_record(1)
+        assert held["status"] == "held"
+        assert held["decision"]["reason"] == (
+            "every delta scored below the base on its own domain or gained less than 1 there"
+        )
+        [entry] = held["decision"]["gate"]
+        assert not entry["kept"] and entry["short_of_min_gain"]
+        gain = entry["expert"] - entry["base"]
+        assert 0 < gain < 1.0
+        assert strict.current_base().id == base_id
+    finally:
+        strict.store.close()
+
+    # The same delta against the minimum it reaches is merged and published.
+    reached = _coordinator(tmp_path / "reached", degraded, gate=True, min_gain=gain)
+    try:
+        hand_in_delta(reached, key, current_base_tensors_of(tiny_base))
+        published = reached.rounds.round_record(1)
+        assert published["status"] == "published", published["error"]
+        [entry] = published["decision"]["gate"]
+        assert entry["kept"] and "short_of_min_gain" not in entry
+        assert entry["expert"] - entry["base"] == pytest.approx(gain)
+    finally:
+        reached.store.close()
 
 
 def test_from_round_two_a_candidate_is_also_compared_with_round_zero(tmp_path, tiny_base):

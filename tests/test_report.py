@@ -118,6 +118,15 @@ def _rounds() -> list[dict[str, Any]]:
                     "p_worse": 0.00049,
                 },
                 {"label": "expert:x:d", "domain": "x", "base": None, "expert": None, "kept": True},
+                {
+                    "label": "expert:search:e",
+                    "domain": "search",
+                    "base": 0.5,
+                    "expert": 0.5,
+                    "kept": False,
+                    "p_worse": 0.6,
+                    "short_of_min_gain": True,
+                },
             ],
             "subsets": [
                 {"merged": ["expert:code:c"], "score": 0.25, "publish": False, "reason": "no"},
@@ -248,6 +257,8 @@ def test_report_shows_intervals_the_verdict_held_rounds_and_the_lead_plot(tmp_pa
     assert "<td>0.00049</td><td>left out</td>" in gate
     # A delta of a domain the coordinator does not evaluate: kept unscored.
     assert "<td>expert:x:d</td><td>x</td><td>–</td><td>–</td><td>–</td><td>kept</td>" in gate
+    # Left out by [merge] own_domain_min_gain, not for being below the base.
+    assert "<td>0.6</td><td>left out: gained too little</td>" in gate
     assert "own-domain gate" not in round3
 
     round1 = page.split("Round 1: held-out success", 1)[1].split("Round 2:", 1)[0]
