@@ -102,15 +102,17 @@ def test_rows_of_different_tasks_are_not_compared():
         compare_rows({"success_rate": 0.5}, a)
 
 
-def test_the_gate_with_a_level_leaves_out_only_a_delta_below_the_base_beyond_noise():
-    def row(successes: list[int]) -> dict:
-        return _row(successes) | {"mean_reward": sum(successes) / len(successes)}
+def _gate_row(successes: list[int]) -> dict:
+    """A validation row as the own-domain gate reads it: per-task outcomes and the mean reward."""
+    return _row(successes) | {"mean_reward": sum(successes) / len(successes)}
 
-    base = row([1] * 30 + [0] * 30)
+
+def test_the_gate_with_a_level_leaves_out_only_a_delta_below_the_base_beyond_noise():
+    base = _gate_row([1] * 30 + [0] * 30)
     # Two tasks lost, none gained: below the base, within noise.
-    slightly = row([1] * 28 + [0] * 32)
+    slightly = _gate_row([1] * 28 + [0] * 32)
     # Fourteen tasks lost, none gained: beyond noise.
-    clearly = row([1] * 16 + [0] * 44)
+    clearly = _gate_row([1] * 16 + [0] * 44)
     assert gate_verdict(base, slightly, 0) == {"kept": False}
     assert gate_verdict(base, clearly, 0) == {"kept": False}
     assert gate_verdict(base, base, 0) == {"kept": True}
@@ -125,13 +127,10 @@ def test_the_gate_with_a_level_leaves_out_only_a_delta_below_the_base_beyond_noi
 
 
 def test_the_gate_with_a_minimum_gain_leaves_out_a_delta_that_gains_less():
-    def row(successes: list[int]) -> dict:
-        return _row(successes) | {"mean_reward": sum(successes) / len(successes)}
-
-    base = row([1] * 30 + [0] * 30)
-    one_more = row([1] * 31 + [0] * 29)
-    two_more = row([1] * 32 + [0] * 28)
-    two_less = row([1] * 28 + [0] * 32)
+    base = _gate_row([1] * 30 + [0] * 30)
+    one_more = _gate_row([1] * 31 + [0] * 29)
+    two_more = _gate_row([1] * 32 + [0] * 28)
+    two_less = _gate_row([1] * 28 + [0] * 32)
     for alpha in (0.0, 0.05):
         # One task gained of the two asked for: left out, and the record says why.
         short = gate_verdict(base, one_more, alpha, min_gain=2 / 60)
